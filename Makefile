@@ -1,0 +1,56 @@
+# Softmax in Triton: the course's commands. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# torch for a machine that has none: this pin resolves to a CPU build (no CUDA libraries).
+CPU_TORCH  := torch==2.13.0
+CPU_TRITON := triton>=3.7
+NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+
+.PHONY: help setup test test-python test-notebooks notebooks images lab bench lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+setup:  ## create .venv and install everything (keeps an existing torch/triton)
+	@if python3 -c "import torch, triton" 2>/dev/null; then \
+	  echo "torch $$(python3 -c 'import torch; print(torch.__version__)') found: reusing it"; \
+	  python3 -m venv --system-site-packages $(VENV); \
+	else \
+	  python3 -m venv $(VENV) && \
+	  $(PY) -m pip install -q --upgrade pip && \
+	  $(PY) -m pip install -q "$(CPU_TORCH)" "$(CPU_TRITON)"; \
+	fi
+	$(PY) -m pip install -q -r requirements.txt
+	@# helpers importable from anywhere in the venv (notebooks run from notebooks/): a .pth naming this folder
+	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'softmax_course.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@$(PY) -c "import torch, triton; print(f'ready: torch {torch.__version__}, triton {triton.__version__}')"
+
+test: test-python test-notebooks  ## run the tests and every notebook (CPU interpreter when there is no GPU)
+
+test-python:  ## pytest on tests/
+	$(PY) -m pytest tests -q
+
+test-notebooks:  ## nbval on every notebook
+	$(PY) -m pytest $(NBVAL) notebooks -q
+
+notebooks:  ## re-execute every notebook in place (the committed outputs come from this, on CPU)
+	$(PY) -m helpers.run_notebooks notebooks/*.ipynb
+
+images:  ## regenerate every figure in images/
+	$(PY) -m helpers.figures
+
+lab:  ## open the course in JupyterLab
+	$(VENV)/bin/jupyter lab notebooks
+
+bench:  ## GPU benchmark sweep: writes results/<gpu>.csv and plots in images/
+	$(PY) -m helpers.bench
+
+lint:  ## ruff on helpers, tests and notebooks
+	$(PY) -m ruff check helpers tests notebooks
+
+clean:  ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

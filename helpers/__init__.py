@@ -1,0 +1,33 @@
+"""Shared code of the softmax-in-Triton course.
+
+Import this before triton: it picks the device and, on a machine with no GPU, switches on Triton's interpreter,
+which must happen before triton is first imported.
+
+Public API:
+    DEVICE, INTERPRET        where kernels run (a torch.device) and whether that is Triton's CPU interpreter
+    softmax(x, dim=-1)       autograd-aware softmax (Triton forward, Jacobian-free Triton backward)
+    softmax_forward(x, dim)  y = softmax(x, dim)
+    softmax_backward(y, dy, dim)  dx from the forward output y and the incoming gradient dy
+    reference                plain PyTorch forward, backward and explicit Jacobian (the oracles)
+    kernels                  the Triton kernels and their launchers
+    show_source(obj)         display the real source of a helpers function or kernel in a notebook
+"""
+
+from . import device
+from .device import DEVICE, INTERPRET, describe
+from . import kernels, reference  # noqa: E402  (after device: triton is imported here)
+from .ops import softmax, softmax_backward, softmax_forward
+from .display import show_source
+
+__all__ = [
+    "DEVICE",
+    "INTERPRET",
+    "describe",
+    "device",
+    "kernels",
+    "reference",
+    "show_source",
+    "softmax",
+    "softmax_backward",
+    "softmax_forward",
+]

@@ -1,0 +1,104 @@
+"""The public softmax ops: shape, dtype and stride handling around the kernels, and the autograd wrapper.
+
+Any rank and dim: the softmax dim is moved last and the rest flattened into rows, a view when strides allow it and a
+copy otherwise. Outputs are fresh contiguous rows viewed back into the input's shape; inputs are never written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .device import DEVICE, INTERPRET
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(name: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; softmax takes float16, bfloat16, float32 or float64 tensors")
+    expected = "cpu" if INTERPRET else DEVICE.type
+    if t.device.type != expected:
+        raise ValueError(f"{name} is on {t.device}, but the kernels run on {expected}: move it with .to({expected!r})")
+
+
+def _dim_index(dim: int, ndim: int) -> int:
+    """torch's rule: a 0-d tensor takes dim 0 or -1; negative dims count from the end."""
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-rank}, {rank - 1}], but got {dim})")
+    return dim % rank
+
+
+def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The 2-D (rows, N) view of ``t`` with ``dim`` last; a copy only when strides cannot express it."""
+    moved = t.reshape(1) if t.ndim == 0 else t.movedim(dim, -1)
+    return moved.reshape(-1, moved.shape[-1])
+
+
+def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """Undo ``_rows``: view the contiguous rows back in ``like``'s shape."""
+    if like.ndim == 0:
+        return rows.reshape(())
+    return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
+
+
+def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:
+    """Output storage. Tests replace this with a NaN-filled version so unwritten elements show."""
+    return torch.empty((n_rows, n_cols), dtype=like.dtype, device=like.device)
+
+
+def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``y = softmax(x, dim)`` by the Triton forward kernels, as ``torch.softmax`` computes it.
+
+    fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64.
+    """
+    _check_tensor("x", x)
+    dim = _dim_index(dim, x.ndim)
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    x_rows = _rows(x, dim)
+    y_rows = _new_rows(*x_rows.shape, like=x)
+    kernels.launch_forward(x_rows, y_rows)
+    return _unrows(y_rows, x, dim)
+
+
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``."""
+    _check_tensor("y", y)
+    _check_tensor("dy", dy)
+    if y.shape != dy.shape:
+        raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
+    dim = _dim_index(dim, y.ndim)
+    if y.numel() == 0:
+        return torch.empty_like(y)
+    y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
+    dx_rows = _new_rows(*y_rows.shape, like=y)
+    kernels.launch_backward(y_rows, dy_rows, dx_rows)
+    return _unrows(dx_rows, y, dim)
+
+
+class Softmax(torch.autograd.Function):
+    """Triton forward; the backward uses only the saved output ``y`` (no Jacobian, no re-read of ``x``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        y = softmax_forward(x, dim)
+        ctx.save_for_backward(y)
+        ctx.dim = dim
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, dy, ctx.dim), None
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device."""
+    _check_tensor("x", x)
+    _dim_index(dim, x.ndim)
+    return Softmax.apply(x, dim)

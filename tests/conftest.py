@@ -1,0 +1,45 @@
+"""Shared test setup: sizes that fit the device, and outputs poisoned with NaN so unwritten elements show."""
+
+import pytest
+import torch
+
+import helpers
+from helpers import ops
+
+ON_GPU = not helpers.INTERPRET
+# The interpreter costs about 1 ms per program: odd shapes stay small on CPU and real on a GPU.
+ODD_SHAPE = (1823, 781) if ON_GPU else (67, 181)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Forward outputs are compared with torch.softmax's own result in the same dtype.
+TOLERANCE = {
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+    torch.float32: dict(atol=1e-6, rtol=1e-5),
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output the ops allocate starts as NaN: an element a kernel forgets to write cannot pass a comparison."""
+
+    def nan_rows(n_rows, n_cols, like):
+        return torch.full((n_rows, n_cols), float("nan"), dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(ops, "_new_rows", nan_rows)
+
+
+@pytest.fixture
+def looped(monkeypatch):
+    """Send every row through the looped kernels, with chunks small enough that odd row lengths span several."""
+    monkeypatch.setattr(helpers.kernels, "ROW_BLOCK_LIMIT", 16)
+    monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
+
+
+def randn(*shape, dtype=torch.float32, scale=3.0):
+    return (torch.randn(shape, dtype=torch.float64) * scale).to(dtype=dtype, device=helpers.DEVICE)
+
+
+def torch_backward(y, dy, dim):
+    """torch's own softmax backward in float64, from the same y."""
+    return torch._softmax_backward_data(dy.double(), y.double(), dim, torch.float64)

@@ -1,0 +1,105 @@
+"""helpers.softmax_backward and the autograd wrapper against torch: strides, zero-stride grads, gradcheck."""
+
+import pytest
+import torch
+from conftest import DTYPES, ODD_SHAPE, randn, torch_backward
+
+import helpers
+
+# dx is stored in y's dtype: one rounding of a value of order max|dy| * y.
+BACKWARD_TOLERANCE = {
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float32: dict(atol=1e-6, rtol=1e-5),
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+}
+
+
+def check_backward(y, dy, dim=-1):
+    y_before, dy_before = y.clone(), dy.clone()
+    dx = helpers.softmax_backward(y, dy, dim)
+    assert dx.shape == y.shape and dx.dtype == y.dtype
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), equal_nan=True, **BACKWARD_TOLERANCE[y.dtype])
+    assert torch.equal(y, y_before) and torch.equal(dy, dy_before)  # inputs are never written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_shape(dtype):
+    y = torch.softmax(randn(*ODD_SHAPE, dtype=torch.float64), -1).to(dtype)
+    check_backward(y, randn(*ODD_SHAPE, dtype=dtype, scale=1.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [1, 15, 17, 100])
+def test_looped_kernel(looped, dtype, n_cols):
+    y = torch.softmax(randn(6, n_cols, dtype=torch.float64), -1).to(dtype)
+    check_backward(y, randn(6, n_cols, dtype=dtype, scale=1.0))
+
+
+def test_long_rows():
+    n_cols = helpers.kernels.ROW_BLOCK_LIMIT * 2 + 77
+    y = torch.softmax(randn(3, n_cols), -1)
+    check_backward(y, randn(3, n_cols, scale=1.0))
+
+
+@pytest.mark.parametrize("shape, dim", [((5, 7, 9), 0), ((5, 7, 9), 1), ((2, 3, 4, 5), -2), ((), 0)])
+def test_any_rank_and_dim(shape, dim):
+    y = torch.softmax(randn(*shape), dim)
+    check_backward(y, randn(*shape, scale=1.0), dim)
+
+
+@pytest.mark.parametrize("make_dy", [
+    pytest.param(lambda shape: torch.ones((), device=helpers.DEVICE).expand(shape), id="all-zero-strides"),
+    pytest.param(lambda shape: randn(shape[0], 1).expand(shape), id="zero-column-stride"),
+    pytest.param(lambda shape: randn(1, shape[1]).expand(shape), id="zero-row-stride"),
+    pytest.param(lambda shape: randn(shape[1], shape[0]).t(), id="transposed"),
+    pytest.param(lambda shape: randn(shape[0], 2 * shape[1])[:, ::2], id="sliced"),
+])
+def test_strided_grad_outputs(make_dy):
+    y = torch.softmax(randn(9, 23), -1)
+    check_backward(y, make_dy(y.shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_autograd_matches_torch(dtype, dim):
+    x = randn(6, 5, 29, dtype=dtype).requires_grad_()
+    x_torch = x.detach().clone().requires_grad_()
+    dy = randn(6, 5, 29, dtype=dtype, scale=1.0)
+    y = helpers.softmax(x, dim)
+    y_torch = torch.softmax(x_torch, dim)
+    (y * dy).sum().backward()
+    (y_torch * dy).sum().backward()
+    torch.testing.assert_close(x.grad, x_torch.grad, **BACKWARD_TOLERANCE[dtype])
+
+
+def test_sum_backward_passes_zero_stride_grads():
+    """y.sum().backward() hands the backward an expanded tensor of ones; the gradient of a sum of softmaxes is 0."""
+    x = randn(8, 33).requires_grad_()
+    helpers.softmax(x, 0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=1e-6, rtol=0)
+
+
+def test_indexing_passes_strided_grads():
+    x = randn(8, 33).requires_grad_()
+    x_torch = x.detach().clone().requires_grad_()
+    helpers.softmax(x)[::2, 3:].sum().backward()
+    torch.softmax(x_torch, -1)[::2, 3:].sum().backward()
+    torch.testing.assert_close(x.grad, x_torch.grad)
+
+
+@pytest.mark.parametrize("shape, dim", [((4, 9), -1), ((4, 9), 0), ((3, 2, 5), 1)])
+def test_gradcheck(shape, dim):
+    x = randn(*shape, dtype=torch.float64, scale=1.0).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: helpers.softmax(t, dim), (x,))
+
+
+def test_gradcheck_looped(looped):
+    x = randn(2, 21, dtype=torch.float64, scale=1.0).requires_grad_()
+    assert torch.autograd.gradcheck(helpers.softmax, (x,))
+
+
+def test_empty():
+    x = randn(0, 7).requires_grad_()
+    helpers.softmax(x).sum().backward()
+    assert x.grad.shape == x.shape

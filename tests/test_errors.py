@@ -1,0 +1,42 @@
+"""What the ops refuse, and that they say why."""
+
+import pytest
+import torch
+from conftest import randn
+
+import helpers
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64])
+@pytest.mark.parametrize("op", [helpers.softmax, helpers.softmax_forward])
+def test_non_float_input(op, dtype):
+    x = torch.ones(3, 4, device=helpers.DEVICE).to(dtype)
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        op(x)
+
+
+def test_non_tensor_input():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        helpers.softmax_forward([1.0, 2.0])
+
+
+def test_non_float_grad():
+    y = torch.softmax(randn(3, 4), -1)
+    with pytest.raises(TypeError, match="dy has dtype torch.int64"):
+        helpers.softmax_backward(y, torch.ones(3, 4, dtype=torch.int64, device=helpers.DEVICE))
+
+
+@pytest.mark.parametrize("shape, dim", [((3, 4), 2), ((3, 4), -3), ((), 1), ((5,), -2)])
+def test_dim_out_of_range(shape, dim):
+    x = randn(*shape)
+    for call in (lambda: helpers.softmax_forward(x, dim), lambda: helpers.softmax(x, dim),
+                 lambda: helpers.softmax_backward(x, x, dim)):
+        with pytest.raises(IndexError, match="Dimension out of range"):
+            call()
+    with pytest.raises(IndexError):  # torch refuses the same dims
+        torch.softmax(x, dim)
+
+
+def test_shape_mismatch():
+    with pytest.raises(ValueError, match=r"same shape, got \(3, 4\) and \(4, 3\)"):
+        helpers.softmax_backward(randn(3, 4), randn(4, 3))

@@ -1,0 +1,96 @@
+"""helpers.softmax_forward against torch.softmax: shapes, dims, strides, dtypes, special values, empty tensors."""
+
+import pytest
+import torch
+from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn
+
+import helpers
+
+
+def check_forward(x, dim=-1):
+    x_before = x.clone()
+    y = helpers.softmax_forward(x, dim)
+    expected = torch.softmax(x, dim)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+    torch.testing.assert_close(y, expected, equal_nan=True, **TOLERANCE[x.dtype])
+    torch.testing.assert_close(x, x_before, rtol=0, atol=0, equal_nan=True)  # the input is never written
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_shape(dtype):
+    y = check_forward(randn(*ODD_SHAPE, dtype=dtype))
+    torch.testing.assert_close(y.double().sum(-1), torch.ones(ODD_SHAPE[0], dtype=torch.float64, device=y.device),
+                               atol=1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("n_cols", [1, 2, 3, 16, 17, 1000])
+def test_row_lengths(n_cols):
+    check_forward(randn(5, n_cols))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [1, 15, 16, 17, 100, 257])
+def test_looped_kernel(looped, dtype, n_cols):
+    check_forward(randn(7, n_cols, dtype=dtype))
+
+
+def test_long_rows():
+    n_cols = helpers.kernels.ROW_BLOCK_LIMIT * 3 + 123  # well past one block: the looped kernel, at its real chunk size
+    check_forward(randn(3, n_cols))
+
+
+@pytest.mark.parametrize("shape, dim", [((5, 7, 9), 0), ((5, 7, 9), 1), ((5, 7, 9), 2), ((5, 7, 9), -3),
+                                        ((2, 3, 4, 5), 2), ((11,), 0), ((), 0), ((), -1)])
+def test_any_rank_and_dim(shape, dim):
+    check_forward(randn(*shape), dim)
+
+
+@pytest.mark.parametrize("make_view", [
+    pytest.param(lambda x: x.t(), id="transposed"),
+    pytest.param(lambda x: x[::2, 1::3], id="sliced"),
+    pytest.param(lambda x: x[:, :1].expand(-1, 37), id="expanded"),
+    pytest.param(lambda x: x.t()[5:20], id="transposed-sliced"),
+    pytest.param(lambda x: x.reshape(10, 9, 13).permute(2, 0, 1), id="permuted-3d"),
+])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_strided_inputs(make_view, dim):
+    x = make_view(randn(30, 39))
+    assert not x.is_contiguous()
+    check_forward(x, dim)
+
+
+def test_special_values():
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([
+        [0.0, -inf, 1.0, -inf],  # -inf entries get exactly 0
+        [-inf, -inf, -inf, -inf],  # all -inf: NaN, as torch gives
+        [1.0, inf, 2.0, 3.0],  # +inf: NaN
+        [nan, 1.0, 2.0, 3.0],  # NaN spreads to the whole row
+        [1000.0, 1001.0, 1002.0, 999.0],  # the naive formula overflows here; the safe one does not
+        [3.0e38, -3.0e38, 0.0, 1.0],  # x - m overflows to -inf: exp gives 0
+        [5.0, 5.0, 5.0, 5.0],  # ties
+    ], device=helpers.DEVICE)
+    for dtype in (torch.float32, torch.float64):
+        check_forward(x.to(dtype))
+    huge_half = torch.tensor([[65504.0, -65504.0, 0.0, 11.5]], device=helpers.DEVICE)  # exp(11.5) overflows fp16
+    for dtype in (torch.float16, torch.bfloat16):
+        check_forward(huge_half.to(dtype))
+
+
+def test_special_values_in_long_rows(looped):
+    """The looped kernel's running max starts at -inf: a first chunk of all -inf must not poison the sum."""
+    inf = float("inf")
+    x = randn(4, 50)
+    x[0, :20] = -inf  # first chunks all -inf, finite values later
+    x[1, :] = -inf
+    x[2, 40] = inf
+    x[3, 30] = float("nan")
+    check_forward(x)
+
+
+@pytest.mark.parametrize("shape, dim", [((0, 5), -1), ((5, 0), -1), ((5, 0), 0), ((2, 0, 3), 1), ((0,), 0)])
+def test_empty(shape, dim):
+    x = randn(*shape)
+    y = helpers.softmax_forward(x, dim)
+    assert y.shape == x.shape and y.dtype == x.dtype
