@@ -13,11 +13,10 @@ Public API:
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
 """
 
-from . import device
+from . import device, kernels, reference  # noqa: E402  (after device: triton is imported here)
 from .device import DEVICE, INTERPRET, describe
-from . import kernels, reference  # noqa: E402  (after device: triton is imported here)
-from .ops import softmax, softmax_backward, softmax_forward
 from .display import show_source
+from .ops import softmax, softmax_backward, softmax_forward
 
 __all__ = [
     "DEVICE",

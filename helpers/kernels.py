@@ -130,22 +130,38 @@ def num_warps_for(block_size: int) -> int:
     return 4 if block_size < 2048 else 8 if block_size < 4096 else 16
 
 
-def launch_forward(x: torch.Tensor, y: torch.Tensor) -> None:
-    """Softmax of each row of the 2-D ``x`` into the contiguous 2-D ``y``; one-block kernel or the looped one."""
+ONE_BLOCK_KERNELS = (softmax_kernel, softmax_backward_kernel)
+
+
+def _block_for(kernel, n_cols: int) -> int:
+    """One-block kernels need the whole row in a block; looped kernels walk it in LOOP_BLOCK_SIZE chunks."""
+    return triton.next_power_of_2(n_cols) if kernel in ONE_BLOCK_KERNELS else LOOP_BLOCK_SIZE
+
+
+def launch_forward(x: torch.Tensor, y: torch.Tensor, kernel=None) -> None:
+    """Softmax of each row of the 2-D ``x`` into the contiguous 2-D ``y``, one program per row.
+
+    ``kernel`` defaults to the one-block kernel when the row fits in ROW_BLOCK_LIMIT, else the looped one.
+    """
     n_rows, n_cols = x.shape
-    one_block = triton.next_power_of_2(n_cols)
-    kernel, block = (softmax_kernel, one_block) if one_block <= ROW_BLOCK_LIMIT else (softmax_online_kernel, LOOP_BLOCK_SIZE)
-    kernel[(n_rows,)](y, x, x.stride(0), x.stride(1), y.stride(0), n_cols, BLOCK_SIZE=block, num_warps=num_warps_for(block))
-
-
-def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
-    """dx of each row from the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx``."""
-    n_rows, n_cols = y.shape
-    one_block = triton.next_power_of_2(n_cols)
-    kernel, block = (
-        (softmax_backward_kernel, one_block) if one_block <= ROW_BLOCK_LIMIT else (softmax_backward_looped_kernel, LOOP_BLOCK_SIZE)
+    if kernel is None:
+        fits = triton.next_power_of_2(n_cols) <= ROW_BLOCK_LIMIT
+        kernel = softmax_kernel if fits else softmax_online_kernel
+    block = _block_for(kernel, n_cols)
+    kernel[(n_rows,)](
+        y, x, x.stride(0), x.stride(1), y.stride(0), n_cols, BLOCK_SIZE=block, num_warps=num_warps_for(block)
     )
+
+
+def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, kernel=None) -> None:
+    """dx of each row from the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx``, one program per row."""
+    n_rows, n_cols = y.shape
+    if kernel is None:
+        fits = triton.next_power_of_2(n_cols) <= ROW_BLOCK_LIMIT
+        kernel = softmax_backward_kernel if fits else softmax_backward_looped_kernel
+    block = _block_for(kernel, n_cols)
     kernel[(n_rows,)](
         dx, y, dy, y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_cols,
         BLOCK_SIZE=block, num_warps=num_warps_for(block),
     )
+

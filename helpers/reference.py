@@ -42,5 +42,6 @@ def softmax_jacobian(y: torch.Tensor) -> torch.Tensor:
 def jacobian_backward(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """Backward through the explicit Jacobian, row by row: dx = J^T dy (J is symmetric). O(N^2) per row."""
     if y.ndim != 2 or y.shape != dy.shape:
-        raise ValueError(f"jacobian_backward takes two 2-D tensors of one shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
-    return torch.stack([softmax_jacobian(y_row).T @ dy_row for y_row, dy_row in zip(y, dy)])
+        shapes = f"{tuple(y.shape)} and {tuple(dy.shape)}"
+        raise ValueError(f"jacobian_backward takes two 2-D tensors of one shape, got {shapes}")
+    return torch.stack([softmax_jacobian(y_row).T @ dy_row for y_row, dy_row in zip(y, dy, strict=True)])
