@@ -29,7 +29,7 @@ setup:  ## create .venv and install everything (keeps an existing torch/triton)
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@$(PY) -c "import torch, triton; print(f'ready: torch {torch.__version__}, triton {triton.__version__}')"
 
-test: test-python test-notebooks  ## run the tests and every notebook (CPU interpreter when there is no GPU)
+test: lint test-python test-notebooks  ## lint, then the tests and every notebook (CPU interpreter when there is no GPU)
 
 test-python:  ## pytest on tests/
 	$(PY) -m pytest tests -q
@@ -38,7 +38,7 @@ test-notebooks:  ## nbval on every notebook
 	$(PY) -m pytest $(NBVAL) notebooks -q
 
 notebooks:  ## re-execute every notebook in place (the committed outputs come from this, on CPU)
-	$(PY) -m helpers.run_notebooks notebooks/*.ipynb
+	$(PY) -m helpers.notebooks notebooks/*.ipynb
 
 images:  ## regenerate every figure in images/
 	$(PY) -m helpers.figures
@@ -50,7 +50,7 @@ bench:  ## GPU benchmark sweep: writes results/<gpu>.csv and plots in images/
 	$(PY) -m helpers.bench
 
 lint:  ## ruff on helpers, tests and notebooks
-	$(PY) -m ruff check helpers tests notebooks
+	$(PY) -m ruff check .
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -5,6 +5,7 @@ which must happen before triton is first imported.
 
 Public API:
     DEVICE, INTERPRET        where kernels run (a torch.device) and whether that is Triton's CPU interpreter
+    sized(gpu, cpu), ODD_SHAPE   sizes for this device: real on a GPU, small under the interpreter
     softmax(x, dim=-1)       autograd-aware softmax (Triton forward, Jacobian-free Triton backward)
     softmax_forward(x, dim)  y = softmax(x, dim)
     softmax_backward(y, dy, dim)  dx from the forward output y and the incoming gradient dy
@@ -14,18 +15,20 @@ Public API:
 """
 
 from . import device, kernels, reference  # noqa: E402  (after device: triton is imported here)
-from .device import DEVICE, INTERPRET, describe
+from .device import DEVICE, INTERPRET, ODD_SHAPE, describe, sized
 from .display import show_source
 from .ops import softmax, softmax_backward, softmax_forward
 
 __all__ = [
     "DEVICE",
     "INTERPRET",
+    "ODD_SHAPE",
     "describe",
     "device",
     "kernels",
     "reference",
     "show_source",
+    "sized",
     "softmax",
     "softmax_backward",
     "softmax_forward",

@@ -54,6 +54,15 @@ if INTERPRET:
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
 
+def sized(gpu, cpu):
+    """The GPU size on a GPU, the small CPU size under the interpreter (about 1 ms per program there)."""
+    return cpu if INTERPRET else gpu
+
+
+# The odd shape every kernel is checked on: neither side a power of two.
+ODD_SHAPE = sized(gpu=(1823, 781), cpu=(67, 181))
+
+
 def describe() -> str:
     """One line saying where kernels run, for the top of every notebook."""
     if DEVICE.type == "cuda":

@@ -7,8 +7,7 @@ import helpers
 from helpers import ops
 
 ON_GPU = not helpers.INTERPRET
-# The interpreter costs about 1 ms per program: odd shapes stay small on CPU and real on a GPU.
-ODD_SHAPE = (1823, 781) if ON_GPU else (67, 181)
+ODD_SHAPE = helpers.ODD_SHAPE
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Forward outputs are compared with torch.softmax's own result in the same dtype.
 TOLERANCE = {

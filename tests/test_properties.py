@@ -41,7 +41,7 @@ def test_forward_matches_torch(case):
 def test_backward_matches_torch(case, broadcast_grad):
     x, dim = case
     y = torch.softmax(x, dim)
-    dy = torch.randn(x.shape, dtype=torch.float64).to(x.dtype)
+    dy = torch.randn(x.shape, dtype=torch.float64).to(dtype=x.dtype, device=x.device)
     if broadcast_grad and x.ndim and x.shape[dim]:
         dy = dy.select(dim, 0).unsqueeze(dim).expand_as(x)  # a zero stride along the softmax dim
     dx = helpers.softmax_backward(y, dy, dim)
