@@ -9,6 +9,7 @@ Public API:
     softmax(x, dim=-1)       autograd-aware softmax (Triton forward, Jacobian-free Triton backward)
     softmax_forward(x, dim)  y = softmax(x, dim)
     softmax_backward(y, dy, dim)  dx from the forward output y and the incoming gradient dy
+    graph_softmax(x, dim)    notebook 03's softmax, whose backward recomputes the forward and walks its graph
     reference                plain PyTorch forward, backward and explicit Jacobian (the oracles)
     kernels                  the Triton kernels and their launchers
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
@@ -17,7 +18,7 @@ Public API:
 from . import device, kernels, reference  # noqa: E402  (after device: triton is imported here)
 from .device import DEVICE, INTERPRET, ODD_SHAPE, describe, sized
 from .display import show_source
-from .ops import softmax, softmax_backward, softmax_forward
+from .ops import graph_softmax, softmax, softmax_backward, softmax_forward
 
 __all__ = [
     "DEVICE",
@@ -25,6 +26,7 @@ __all__ = [
     "ODD_SHAPE",
     "describe",
     "device",
+    "graph_softmax",
     "kernels",
     "reference",
     "show_source",

@@ -57,17 +57,69 @@ def bandwidth_figure(results: list[Result], phase: str, impls: list[str], dtypes
     return fig
 
 
-FIGURES = {  # file name in images/ -> (phase, impls)
+# The forward graph of notebook 03: node -> (position, label); edges carry the local derivative d(head)/d(tail).
+GRAPH_NODES = {
+    "x": ((0.0, 0.0), "$x$"),
+    "m": ((1.6, 1.2), "$m = \\max(x)$"),
+    "z": ((3.2, 0.0), "$z = x - m$"),
+    "e": ((5.4, 0.0), "$e = \\exp(z)$"),
+    "d": ((7.0, 1.2), "$d = \\sum e$"),
+    "r": ((8.8, 1.2), "$r = 1 / d$"),
+    "y": ((10.6, 0.0), "$y = e \\cdot r$"),
+}
+GRAPH_EDGES = [  # (tail, head, local derivative)
+    ("x", "m", "1 at the argmax"),
+    ("x", "z", "1"),
+    ("m", "z", "$-1$"),
+    ("z", "e", "$e$"),
+    ("e", "d", "1"),
+    ("d", "r", "$-1/d^2$"),
+    ("e", "y", "$r$"),
+    ("r", "y", "$e$"),
+]
+
+
+def forward_graph_figure():
+    """Softmax's forward pass as a computational graph, each edge labelled with its local derivative."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 3))
+    for tail, head, derivative in GRAPH_EDGES:
+        (x0, y0), (x1, y1) = GRAPH_NODES[tail][0], GRAPH_NODES[head][0]
+        # arrows stop short of the boxes: 0.75 of a unit along the edge at either end
+        length = ((x1 - x0) ** 2 + (y1 - y0) ** 2) ** 0.5
+        ux, uy = (x1 - x0) / length * 0.75, (y1 - y0) / length * 0.75
+        ax.annotate("", xy=(x1 - ux, y1 - uy), xytext=(x0 + ux, y0 + uy),
+                    arrowprops=dict(arrowstyle="-|>", color="grey", shrinkA=0, shrinkB=0, lw=1.5))
+        # labels beside the arrow: left of a rising edge, right of a falling one, above a flat one
+        side = "right" if y1 > y0 else "left" if y1 < y0 else "center"
+        shift = {"right": -0.15, "left": 0.15, "center": 0.0}[side]
+        ax.text((x0 + x1) / 2 + shift, (y0 + y1) / 2 + 0.1, derivative, color="tab:red", ha=side, fontsize=10)
+    for (x, y), label in GRAPH_NODES.values():
+        ax.text(x, y, label, ha="center", va="center", fontsize=12,
+                bbox=dict(boxstyle="round,pad=0.4", facecolor="white", edgecolor="tab:blue"))
+    ax.set_xlim(-0.8, 11.4)
+    ax.set_ylim(-0.6, 1.8)
+    ax.axis("off")
+    ax.set_title("softmax forward graph; red: local derivative of each edge (backward multiplies by it)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+BANDWIDTH_FIGURES = {  # file name in images/ -> (phase, impls)
     "01_naive_vs_fused.png": ("forward", ["naive", "torch", "row"]),
 }
 
 
 def main() -> None:
     matplotlib.use("Agg")
-    results = load_results()
     IMAGES_DIR.mkdir(exist_ok=True)
-    for name, (phase, impls) in FIGURES.items():
-        bandwidth_figure(results, phase, impls).savefig(IMAGES_DIR / name, dpi=110)
+    figures = {"03_forward_graph.png": forward_graph_figure()}
+    results = load_results()
+    for name, (phase, impls) in BANDWIDTH_FIGURES.items():
+        figures[name] = bandwidth_figure(results, phase, impls)
+    for name, fig in figures.items():
+        fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")
 
 

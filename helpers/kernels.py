@@ -125,6 +125,53 @@ def softmax_backward_looped_kernel(
         tl.store(dx_ptr + row * dx_row_stride + cols, y * (dy - dot), mask=mask)
 
 
+@triton.jit
+def softmax_graph_backward_kernel(
+    dx_ptr, x_ptr, dy_ptr, x_row_stride, x_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_cols,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Backward by the computational graph, one program per row: recompute the forward from x, then send dy back
+    through each node in reverse order. Each gradient is named after the node it belongs to (dm = dL/dm, ...)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x = upcast(tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=float("-inf")))
+    dy = upcast(tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0))
+    # forward again: m = max(x), z = x - m, e = exp(z), d = sum(e), r = 1 / d, y = e * r
+    m = tl.max(x, axis=0)
+    z = x - m
+    e = tl.exp(z)
+    d = tl.sum(e, axis=0)
+    r = 1.0 / d
+    # y = e * r: both inputs get a share. r is one number used by every lane, so its gradient sums over the row.
+    de = dy * r
+    dr = tl.sum(dy * e, axis=0)
+    # r = 1 / d: dr/dd = -1 / d^2
+    dd = dr * (-r * r)
+    # d = sum(e): every e adds to d, so dd flows back to every lane (a broadcast)
+    de += dd
+    # e = exp(z): the derivative of exp is exp itself
+    dz = de * e
+    # z = x - m: x gets dz directly; m was subtracted from every lane, so it collects -sum(dz) (padding lanes: e = 0)
+    dm = -tl.sum(dz, axis=0)
+    # m = max(x): the max branch routes dm to the lanes that hold the max (split evenly between ties, as torch.amax)
+    is_max = (x == m) & mask
+    dx = dz + tl.where(is_max, dm / tl.sum(is_max.to(x.dtype), axis=0), 0.0)
+    tl.store(dx_ptr + row * dx_row_stride + cols, dx, mask=mask)
+
+
+def launch_graph_backward(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+    """dx of each row by the graph kernel, from the forward *input* ``x`` and ``dy`` (rows must fit in one block)."""
+    n_rows, n_cols = x.shape
+    block = triton.next_power_of_2(n_cols)
+    if block > ROW_BLOCK_LIMIT:
+        raise ValueError(f"the graph backward keeps a whole row in one block: N = {n_cols} is over {ROW_BLOCK_LIMIT}")
+    softmax_graph_backward_kernel[(n_rows,)](
+        dx, x, dy, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_cols,
+        BLOCK_SIZE=block, num_warps=num_warps_for(block),
+    )
+
+
 def num_warps_for(block_size: int) -> int:
     """More warps for wider blocks, so each thread holds a bounded slice of the row."""
     return 4 if block_size < 2048 else 8 if block_size < 4096 else 16

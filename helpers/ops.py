@@ -97,6 +97,33 @@ class Softmax(torch.autograd.Function):
         return softmax_backward(y, dy, ctx.dim), None
 
 
+class GraphSoftmax(torch.autograd.Function):
+    """Notebook 03's version: saves the input ``x`` and recomputes the forward inside the graph backward kernel."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.dim = dim
+        return softmax_forward(x, dim)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        if x.numel() == 0:
+            return torch.zeros_like(x), None
+        x_rows, dy_rows = _rows(x, ctx.dim), _rows(dy, ctx.dim)
+        dx_rows = _new_rows(*x_rows.shape, like=x)
+        kernels.launch_graph_backward(x_rows, dy_rows, dx_rows)
+        return _unrows(dx_rows, x, ctx.dim), None
+
+
+def graph_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax whose backward walks the computational graph (notebook 03); ``softmax`` is the one to use."""
+    _check_tensor("x", x)
+    return GraphSoftmax.apply(x, _dim_index(dim, x.ndim))
+
+
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device."""
     _check_tensor("x", x)

@@ -103,3 +103,29 @@ def test_empty():
     x = randn(0, 7).requires_grad_()
     helpers.softmax(x).sum().backward()
     assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, dim", [(ODD_SHAPE, -1), ((5, 7, 9), 1), ((4, 1), -1)])
+def test_graph_backward_matches_torch(dtype, shape, dim):
+    x = randn(*shape, dtype=dtype).requires_grad_()
+    x_torch = x.detach().clone().requires_grad_()
+    dy = randn(*shape, dtype=dtype, scale=1.0)
+    (helpers.graph_softmax(x, dim) * dy).sum().backward()
+    (torch.softmax(x_torch, dim) * dy).sum().backward()
+    torch.testing.assert_close(x.grad, x_torch.grad, **BACKWARD_TOLERANCE[dtype])
+
+
+def test_graph_backward_with_ties_and_gradcheck():
+    x = torch.tensor([[2.0, 2.0, 1.0, -1.0]], dtype=torch.float64, device=helpers.DEVICE).requires_grad_()
+    dy = torch.tensor([[0.3, -0.2, 0.5, 0.1]], dtype=torch.float64, device=helpers.DEVICE)
+    (helpers.graph_softmax(x) * dy).sum().backward()
+    torch.testing.assert_close(x.grad, torch_backward(torch.softmax(x.detach(), -1), dy, -1))
+    x = randn(3, 11, dtype=torch.float64, scale=1.0).requires_grad_()
+    assert torch.autograd.gradcheck(helpers.graph_softmax, (x,))
+
+
+def test_graph_backward_refuses_long_rows(looped):
+    x = randn(2, 40).requires_grad_()
+    with pytest.raises(ValueError, match="whole row in one block"):
+        helpers.graph_softmax(x).sum().backward()
