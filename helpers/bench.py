@@ -82,25 +82,31 @@ def forward_impls() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]
     }
 
 
-def backward_impls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], object]]]:
-    """Backward implementations by name: each takes (y, dy) and returns a closure that runs once."""
+def backward_impls() -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], object]]]:
+    """Backward implementations by name: each takes (x, y, dy) and returns a closure that runs once."""
 
     def kernel_impl(kernel):
-        def make(y, dy):
+        def make(x, y, dy):
             dx = torch.empty_like(y)
             return lambda: kernels.launch_backward(y, dy, dx, kernel)
 
         return make
 
+    def graph(x, y, dy):
+        dx = torch.empty_like(x)
+        return lambda: kernels.launch_graph_backward(x, dy, dx)
+
     return {
-        "torch": lambda y, dy: lambda: torch._softmax_backward_data(dy, y, -1, y.dtype),
+        "torch": lambda x, y, dy: lambda: torch._softmax_backward_data(dy, y, -1, y.dtype),
         "row": kernel_impl(kernels.softmax_backward_kernel),
+        "graph": graph,
         "looped": kernel_impl(kernels.softmax_backward_looped_kernel),
     }
 
 
-# One-block kernels hold next_power_of_2(N) values per program: past this they spill so badly they are not worth timing.
-ONE_BLOCK_MAX_N = 65536
+# One-block kernels hold next_power_of_2(N) values per program: past 65536 they spill so badly they are not worth
+# timing, and the graph backward refuses rows longer than one block (ROW_BLOCK_LIMIT).
+LONGEST_ROW = {"row": 65536, "graph": kernels.ROW_BLOCK_LIMIT}
 
 
 def sweep(
@@ -127,9 +133,9 @@ def sweep(
             runs = {name: make(x) for name, make in forward_impls().items()}
         else:
             y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
-            runs = {name: make(y, dy) for name, make in backward_impls().items()}
+            runs = {name: make(x, y, dy) for name, make in backward_impls().items()}
         for name, run in runs.items():
-            if (wanted is not None and name not in wanted) or (name in ("row",) and n > ONE_BLOCK_MAX_N):
+            if (wanted is not None and name not in wanted) or n > LONGEST_ROW.get(name, n):
                 continue
             ms = time_ms(run)
             results.append(Result(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, ms, gbps(n_bytes, ms),

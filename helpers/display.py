@@ -20,3 +20,10 @@ def show_source(obj: object) -> None:
         print(text)
         return
     display(Markdown(f"```python\n{text}```"))
+
+
+def kernel_operations(kernel: object, ops: tuple[str, ...] = ("exp", "max", "sum")) -> dict[str, int]:
+    """How many times a kernel's source calls each ``tl.<op>(``: exponentials and row reductions, counted from the
+    real source so a comparison stays true when the kernel changes."""
+    source = source_of(kernel)
+    return {op: source.count(f"tl.{op}(") for op in ops}

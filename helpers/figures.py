@@ -19,6 +19,7 @@ STYLE = {  # impl -> (label, colour, marker)
     "row": ("Triton, one row per program", "tab:green", "o"),
     "online": ("Triton, looped online", "tab:purple", "D"),
     "looped": ("Triton, looped", "tab:purple", "D"),
+    "graph": ("Triton, graph walk (notebook 03)", "tab:orange", "^"),
 }
 
 
