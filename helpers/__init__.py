@@ -11,11 +11,12 @@ Public API:
     softmax_backward(y, dy, dim)  dx from the forward output y and the incoming gradient dy
     graph_softmax(x, dim)    notebook 03's softmax, whose backward recomputes the forward and walks its graph
     reference                plain PyTorch forward, backward and explicit Jacobian (the oracles)
-    kernels                  the Triton kernels and their launchers
+    kernels                  the teaching kernels of notebooks 01-05 and their launchers
+    fused                    notebook 06's kernels at the memory limit, which softmax_forward/backward use
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
 """
 
-from . import device, kernels, reference  # noqa: E402  (after device: triton is imported here)
+from . import device, fused, kernels, reference  # noqa: E402  (after device: triton is imported here)
 from .device import DEVICE, INTERPRET, ODD_SHAPE, describe, sized
 from .display import show_source
 from .ops import graph_softmax, softmax, softmax_backward, softmax_forward
@@ -27,6 +28,7 @@ __all__ = [
     "describe",
     "device",
     "graph_softmax",
+    "fused",
     "kernels",
     "reference",
     "show_source",

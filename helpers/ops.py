@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import fused, kernels
 from .device import DEVICE, INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -51,7 +51,7 @@ def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``y = softmax(x, dim)`` by the Triton forward kernels, as ``torch.softmax`` computes it.
+    """``y = softmax(x, dim)`` by the fused Triton forward kernels (notebook 06), as ``torch.softmax`` computes it.
 
     fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64.
     """
@@ -61,12 +61,13 @@ def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return torch.empty_like(x)
     x_rows = _rows(x, dim)
     y_rows = _new_rows(*x_rows.shape, like=x)
-    kernels.launch_forward(x_rows, y_rows)
+    fused.launch_forward(x_rows, y_rows)
     return _unrows(y_rows, x, dim)
 
 
 def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``."""
+    """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``,
+    by the fused Triton backward kernels (notebook 06)."""
     _check_tensor("y", y)
     _check_tensor("dy", dy)
     if y.shape != dy.shape:
@@ -76,7 +77,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
         return torch.empty_like(y)
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y)
-    kernels.launch_backward(y_rows, dy_rows, dx_rows)
+    fused.launch_backward(y_rows, dy_rows, dx_rows)
     return _unrows(dx_rows, y, dim)
 
 

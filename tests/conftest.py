@@ -30,9 +30,12 @@ def poisoned_outputs(monkeypatch):
 
 @pytest.fixture
 def looped(monkeypatch):
-    """Send every row through the looped kernels, with chunks small enough that odd row lengths span several."""
+    """Send every row of more than 16 elements down the long-row paths (looped teaching kernels, split fused
+    kernels), in pieces of 16, so odd row lengths span several pieces."""
     monkeypatch.setattr(helpers.kernels, "ROW_BLOCK_LIMIT", 16)
     monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
+    monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW", {"forward": 16, "backward": 16})
+    monkeypatch.setattr(helpers.fused, "SEGMENT_ELEMENTS", {"forward": 16, "backward": 16})
 
 
 def randn(*shape, dtype=torch.float32, scale=3.0):

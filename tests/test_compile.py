@@ -1,4 +1,4 @@
-"""Every Triton kernel in helpers compiles for a free-Colab T4 (sm_75) and an H100 (sm_90), with no GPU present.
+"""Every Triton kernel in helpers (teaching and fused) compiles for a free-Colab T4 (sm_75) and an H100 (sm_90), with no GPU present.
 
 The compilation runs in a subprocess with the interpreter off (SOFTMAX_INTERPRET=0), since an interpreted kernel
 cannot be compiled.
@@ -17,14 +17,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 arch, dtype = int(sys.argv[1]), sys.argv[2]
-kernels = {name: obj for name, obj in vars(helpers.kernels).items()
+kernels = {name: obj for module in (helpers.kernels, helpers.fused) for name, obj in vars(module).items()
            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
-assert kernels, "no kernels found"
+assert len(kernels) >= 9, sorted(kernels)
+CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "PHASE": helpers.fused.FUSED}  # others: block sizes
+partial = "fp64" if dtype == "fp64" else "fp32"
 for name, kernel in sorted(kernels.items()):
     signature, constexprs = {}, {}
     for param in kernel.params:
         if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", 1024
+            signature[param.name], constexprs[param.name] = "constexpr", CONSTEXPRS.get(param.name, 1024)
+        elif param.name == "arrived_ptr":
+            signature[param.name] = "*i32"
+        elif param.name.endswith("_part_ptr"):
+            signature[param.name] = f"*{partial}"
         else:
             signature[param.name] = f"*{dtype}" if param.name.endswith("_ptr") else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))
@@ -41,4 +47,5 @@ def test_kernels_compile(arch, dtype):
     out = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(arch), dtype], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "softmax_kernel" in out.stdout.split()
+    compiled = out.stdout.split()
+    assert "softmax_kernel" in compiled and "softmax_split_kernel" in compiled

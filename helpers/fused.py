@@ -1,0 +1,253 @@
+"""Notebook 06's kernels: softmax at the memory limit for every row length, forward and backward.
+
+Two shapes of kernel, both persistent (a grid sized to fill the GPU once, each program looping over its work):
+
+- tile kernels: ``ROWS`` whole rows per program, for rows that fit on chip. Short rows get many rows per program so
+  every program moves enough bytes; mid rows get one.
+- split kernels: a row too long for one program is cut into ``SEGMENTS`` pieces held by as many programs, which
+  exchange their partial statistics, (m, d) forward or the partial sum of y * dy backward, through global memory. Each
+  piece of x stays in registers between the two halves, so x is read once.
+
+The programs of a row must wait for each other. On a GPU that is a per-row atomic counter: each program adds 1 once
+its partial is written (``PHASE`` 2), then spins until all ``SEGMENTS`` have. That is safe only when every program of
+the grid is resident at once, so the grid never exceeds what the GPU holds (``resident_programs``). Triton's
+interpreter runs programs one after another, where a spin would never end, so there the same kernel runs as two
+launches: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes (re-reading x).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .device import INTERPRET
+from .kernels import upcast
+
+# PHASE of a split kernel: partials only, merge-and-finish only, or both in one launch with a wait between.
+STATISTICS, FINISH, FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def softmax_tile_kernel(
+    y_ptr, x_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Forward, persistent: each program takes tiles of ROWS whole rows, grid-stride, until none are left."""
+    rows_in_tile = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    for tile in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = (tile * ROWS + rows_in_tile).to(tl.int64)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        x = upcast(tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask,
+                           other=float("-inf")))
+        m = tl.max(x, axis=1)
+        e = tl.exp(x - m[:, None])
+        d_inverse = 1.0 / tl.sum(e, axis=1)  # one division per row, then a multiply per element
+        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], e * d_inverse[:, None], mask=mask)
+
+
+@triton.jit
+def softmax_split_kernel(
+    y_ptr, x_ptr, m_part_ptr, d_part_ptr, arrived_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
+    SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Forward for long rows: SEGMENTS consecutive programs share each row, one BLOCK_N piece each, and merge their
+    (m, d) through m_part/d_part (notebook 05's merge). Groups of SEGMENTS programs walk the rows grid-stride."""
+    segment = tl.program_id(0) % SEGMENTS
+    group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    parts = tl.arange(0, SEGMENTS_POW2)
+    for row_index in range(group, n_rows, n_groups):
+        row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
+        x = upcast(tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=float("-inf")))
+        if PHASE != FINISH:
+            m = tl.max(x, axis=0)
+            m_shift = tl.where(m == float("-inf"), 0.0, m)  # a piece of all -inf gives (-inf, 0), the merge identity
+            tl.store(m_part_ptr + row * SEGMENTS + segment, m)
+            tl.store(d_part_ptr + row * SEGMENTS + segment, tl.sum(tl.exp(x - m_shift), axis=0))
+        if PHASE == FUSED:
+            tl.debug_barrier()  # every thread's partial stores come before the signal
+            tl.atomic_add(arrived_ptr + row, 1, sem="release")
+            while tl.atomic_add(arrived_ptr + row, 0, sem="acquire") < SEGMENTS:
+                pass
+        if PHASE != STATISTICS:
+            part_mask = parts < SEGMENTS
+            m_parts = tl.load(m_part_ptr + row * SEGMENTS + parts, mask=part_mask, other=float("-inf"), volatile=True)
+            d_parts = tl.load(d_part_ptr + row * SEGMENTS + parts, mask=part_mask, other=0.0, volatile=True)
+            m = tl.max(m_parts, axis=0)
+            m_shift = tl.where(m == float("-inf"), 0.0, m)
+            d_inverse = 1.0 / tl.sum(d_parts * tl.exp(m_parts - m_shift), axis=0)
+            tl.store(y_ptr + row * y_row_stride + cols, tl.exp(x - m) * d_inverse, mask=mask)
+
+
+@triton.jit
+def softmax_backward_tile_kernel(
+    dx_ptr, y_ptr, dy_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_rows, n_cols,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Backward, persistent: tiles of ROWS whole rows, dx = y * (dy - sum(y * dy)) row by row."""
+    rows_in_tile = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    for tile in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = (tile * ROWS + rows_in_tile).to(tl.int64)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        y = upcast(tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :] * y_col_stride, mask=mask, other=0.0))
+        dy = upcast(tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask,
+                            other=0.0))
+        dot = tl.sum(y * dy, axis=1)
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], y * (dy - dot[:, None]), mask=mask)
+
+
+@triton.jit
+def softmax_backward_split_kernel(
+    dx_ptr, y_ptr, dy_ptr, dot_part_ptr, arrived_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride,
+    dx_row_stride, n_rows, n_cols,
+    SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Backward for long rows: SEGMENTS programs share a row; the only thing they exchange is their part of
+    sum(y * dy)."""
+    segment = tl.program_id(0) % SEGMENTS
+    group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    parts = tl.arange(0, SEGMENTS_POW2)
+    for row_index in range(group, n_rows, n_groups):
+        row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
+        y = upcast(tl.load(y_ptr + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0))
+        dy = upcast(tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0))
+        if PHASE != FINISH:
+            tl.store(dot_part_ptr + row * SEGMENTS + segment, tl.sum(y * dy, axis=0))
+        if PHASE == FUSED:
+            tl.debug_barrier()
+            tl.atomic_add(arrived_ptr + row, 1, sem="release")
+            while tl.atomic_add(arrived_ptr + row, 0, sem="acquire") < SEGMENTS:
+                pass
+        if PHASE != STATISTICS:
+            dot_parts = tl.load(dot_part_ptr + row * SEGMENTS + parts, mask=parts < SEGMENTS, other=0.0, volatile=True)
+            dot = tl.sum(dot_parts, axis=0)
+            tl.store(dx_ptr + row * dx_row_stride + cols, y * (dy - dot), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Choosing a kernel and its shape for a row length, and sizing the persistent grid.
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How rows of one length are cut: ``segments`` programs per row (1: tile kernel) of ``block_n`` elements,
+    ``rows`` rows per tile, and ``num_warps`` warps per program."""
+
+    rows: int
+    block_n: int
+    segments: int
+    num_warps: int
+
+
+# Elements one program holds at once, per phase (backward holds y and dy, so half as many columns). Chosen by the
+# tuning sweep in notebook 06: enough bytes per program to keep loads in flight, few enough to stay in registers.
+TILE_ELEMENTS = {"forward": 4096, "backward": 4096}
+SEGMENT_ELEMENTS = {"forward": 8192, "backward": 4096}  # the piece of a long row each program of a split holds
+MAX_TILE_ROW = {"forward": 16384, "backward": 8192}  # longer rows are split across programs
+ELEMENTS_PER_THREAD = 16
+
+
+def plan_for(n_cols: int, phase: str) -> Plan:
+    """The kernel shape for rows of ``n_cols`` elements in ``phase`` ("forward" or "backward")."""
+    block = triton.next_power_of_2(n_cols)
+    if block <= MAX_TILE_ROW[phase]:
+        rows = max(1, TILE_ELEMENTS[phase] // block)
+        return Plan(rows, block, 1, _warps(rows * block))
+    segment = SEGMENT_ELEMENTS[phase]
+    return Plan(1, segment, triton.cdiv(n_cols, segment), _warps(segment))
+
+
+def _warps(elements: int) -> int:
+    return max(1, min(16, elements // (32 * ELEMENTS_PER_THREAD)))
+
+
+@functools.cache
+def _device_limits(index: int) -> tuple[int, int, int, int]:
+    props = torch.cuda.get_device_properties(index)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    threads, shared = props.max_threads_per_multi_processor, props.shared_memory_per_multiprocessor
+    return props.multi_processor_count, regs, threads, shared
+
+
+def resident_programs(compiled, num_warps: int) -> int:
+    """How many programs of a compiled kernel the whole GPU holds at once (registers, threads, shared memory)."""
+    n_sm, regs_per_sm, threads_per_sm, smem_per_sm = _device_limits(torch.cuda.current_device())
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # registers are handed out per warp, 256 at a time
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_threads = threads_per_sm // (32 * num_warps)
+    by_smem = smem_per_sm // compiled.metadata.shared if compiled.metadata.shared else by_threads
+    return n_sm * max(1, min(by_regs, by_threads, by_smem, 32))
+
+
+CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every kernel's loop runs several times
+_resident_cache: dict[tuple, int] = {}
+
+
+def _grid_size(kernel, args, constexprs, num_warps: int, work_items: int, group: int) -> int:
+    """Programs to launch: never more than the GPU holds at once (a split needs every program of a row resident),
+    in whole groups of ``group`` programs, never more than there is work for."""
+    if INTERPRET:
+        return group * min(work_items, CPU_PROGRAMS)
+    key = (kernel.fn.__name__, num_warps, *sorted(constexprs.items()),
+           *((a.dtype,) if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0) for a in args))  # specialisations
+    if key not in _resident_cache:
+        compiled = kernel.warmup(*args, **constexprs, num_warps=num_warps, grid=(1,))
+        _resident_cache[key] = resident_programs(compiled, num_warps)
+    return group * max(1, min(work_items, _resident_cache[key] // group))
+
+
+def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -> None:
+    """Softmax of the rows of the 2-D ``x`` into the contiguous 2-D ``y`` with the fused kernels."""
+    n_rows, n_cols = x.shape
+    plan = plan or plan_for(n_cols, "forward")
+    strides = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
+    if plan.segments == 1:
+        constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
+        args = (y, x, *strides)
+        grid = _grid_size(softmax_tile_kernel, args, constexprs, plan.num_warps, triton.cdiv(n_rows, plan.rows), 1)
+        softmax_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
+        return
+    m_part = torch.empty(n_rows, plan.segments, dtype=_partial_dtype(x), device=x.device)
+    d_part = torch.empty_like(m_part)
+    arrived = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
+    _launch_split(softmax_split_kernel, (y, x, m_part, d_part, arrived, *strides), plan, n_rows)
+
+
+def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
+    """dx of the rows of the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx`` with the fused kernels."""
+    n_rows, n_cols = y.shape
+    plan = plan or plan_for(n_cols, "backward")
+    strides = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
+    if plan.segments == 1:
+        constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
+        args = (dx, y, dy, *strides)
+        grid = _grid_size(softmax_backward_tile_kernel, args, constexprs, plan.num_warps,
+                          triton.cdiv(n_rows, plan.rows), 1)
+        softmax_backward_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
+        return
+    dot_part = torch.empty(n_rows, plan.segments, dtype=_partial_dtype(y), device=y.device)
+    arrived = torch.zeros(n_rows, dtype=torch.int32, device=y.device)
+    _launch_split(softmax_backward_split_kernel, (dx, y, dy, dot_part, arrived, *strides), plan, n_rows)
+
+
+def _partial_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _launch_split(kernel, args, plan: Plan, n_rows: int) -> None:
+    constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n)
+    phases = (STATISTICS, FINISH) if INTERPRET else (FUSED,)
+    grid = _grid_size(kernel, args, dict(constexprs, PHASE=phases[-1]), plan.num_warps, n_rows, plan.segments)
+    for phase in phases:
+        kernel[(grid,)](*args, **constexprs, PHASE=phase, num_warps=plan.num_warps)

@@ -1,0 +1,47 @@
+"""The teaching kernels of notebooks 01-05, launched directly, and the fused kernels' plans (notebook 06)."""
+
+import pytest
+import torch
+from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
+
+import helpers
+from helpers import fused, kernels
+
+FORWARD = [kernels.softmax_kernel, kernels.softmax_online_kernel]
+BACKWARD = [kernels.softmax_backward_kernel, kernels.softmax_backward_looped_kernel]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", FORWARD, ids=lambda k: k.__name__)
+def test_forward_kernels(kernel, dtype):
+    x = randn(*ODD_SHAPE, dtype=dtype).t()  # strided: column stride != 1
+    y = torch.full(x.shape, float("nan"), dtype=dtype, device=x.device)
+    kernels.launch_forward(x, y, kernel)
+    torch.testing.assert_close(y, torch.softmax(x, -1), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", BACKWARD, ids=lambda k: k.__name__)
+def test_backward_kernels(kernel, dtype):
+    y = torch.softmax(randn(*ODD_SHAPE, dtype=torch.float64), -1).to(dtype)
+    dy = randn(1, ODD_SHAPE[1], dtype=dtype).expand(ODD_SHAPE)  # zero row stride
+    dx = torch.full(y.shape, float("nan"), dtype=dtype, device=y.device)
+    kernels.launch_backward(y, dy, dx, kernel)
+    atol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, -1), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("n_cols", [1, 3, 256, 781, 1024, 4097, 16384, 50257, 65536, 151936, 262144])
+def test_plans_cover_the_row(phase, n_cols):
+    plan = fused.plan_for(n_cols, phase)
+    assert plan.segments * plan.block_n >= n_cols > (plan.segments - 1) * plan.block_n
+    assert plan.rows * plan.block_n <= max(fused.TILE_ELEMENTS[phase], plan.block_n)
+    assert 1 <= plan.num_warps <= 16
+
+
+def test_fused_grid_is_persistent(looped):
+    """Under the interpreter the grid is a few programs (or groups), so each loops over several tiles or rows."""
+    x = randn(23, 50)  # 4 segments of 16 per row under `looped`
+    torch.testing.assert_close(helpers.softmax_forward(x), torch.softmax(x, -1))
+    assert fused.CPU_PROGRAMS < 23
