@@ -183,6 +183,7 @@ def _device_limits(index: int) -> tuple[int, int, int, int]:
 def resident_programs(compiled, num_warps: int) -> int:
     """How many programs of a compiled kernel the whole GPU holds at once (registers, threads, shared memory)."""
     n_sm, regs_per_sm, threads_per_sm, smem_per_sm = _device_limits(torch.cuda.current_device())
+    compiled._init_handles()  # loads the binary, which fills in n_regs (as Triton's softmax tutorial does)
     regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # registers are handed out per warp, 256 at a time
     by_regs = regs_per_sm // (regs_per_warp * num_warps)
     by_threads = threads_per_sm // (32 * num_warps)
