@@ -52,38 +52,60 @@ def softmax_tile_kernel(
 
 
 @triton.jit
+def wait_for_row(arrived_ptr, row, valid, SEGMENTS: tl.constexpr):
+    """Spin until all SEGMENTS programs of ``row`` have published (nothing to wait for when not ``valid``)."""
+    target = tl.where(valid, SEGMENTS, 0)
+    while tl.atomic_add(arrived_ptr + row, 0, sem="acquire") < target:
+        pass
+
+
+@triton.jit
 def softmax_split_kernel(
     y_ptr, x_ptr, m_part_ptr, d_part_ptr, arrived_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Forward for long rows: SEGMENTS consecutive programs share each row, one BLOCK_N piece each, and merge their
-    (m, d) through m_part/d_part (notebook 05's merge). Groups of SEGMENTS programs walk the rows grid-stride."""
+    (m, d) through m_part/d_part (notebook 05's merge). Groups of SEGMENTS programs walk the rows grid-stride.
+
+    Each piece keeps e = exp(x - m_piece) in registers, so finishing is one multiply by exp(m_piece - m) / d. In one
+    launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had the time
+    of a whole load to arrive: the wait hides behind the next row's loads.
+    """
     segment = tl.program_id(0) % SEGMENTS
     group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
     cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
     parts = tl.arange(0, SEGMENTS_POW2)
-    for row_index in range(group, n_rows, n_groups):
+    e_prev = tl.zeros((BLOCK_N,), tl.float32 if x_ptr.dtype.element_ty != tl.float64 else tl.float64)
+    m_prev = tl.max(e_prev, axis=0)
+    # one iteration past the group's last row, so that in PHASE 2 the last row is finished too
+    for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
+        valid = row < n_rows
+        mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
         x = upcast(tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=float("-inf")))
+        m = tl.max(x, axis=0)
+        e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))  # a piece of all -inf: e = 0, partial (-inf, 0)
         if PHASE != FINISH:
-            m = tl.max(x, axis=0)
-            m_shift = tl.where(m == float("-inf"), 0.0, m)  # a piece of all -inf gives (-inf, 0), the merge identity
-            tl.store(m_part_ptr + row * SEGMENTS + segment, m)
-            tl.store(d_part_ptr + row * SEGMENTS + segment, tl.sum(tl.exp(x - m_shift), axis=0))
+            tl.store(m_part_ptr + row * SEGMENTS + segment, m, mask=valid)
+            tl.store(d_part_ptr + row * SEGMENTS + segment, tl.sum(e, axis=0), mask=valid)
         if PHASE == FUSED:
             tl.debug_barrier()  # every thread's partial stores come before the signal
-            tl.atomic_add(arrived_ptr + row, 1, sem="release")
-            while tl.atomic_add(arrived_ptr + row, 0, sem="acquire") < SEGMENTS:
-                pass
+            tl.atomic_add(arrived_ptr + row, 1, mask=valid, sem="release")
+            finish_row, finish_valid, e_finish, m_finish = row - n_groups, row >= group + n_groups, e_prev, m_prev
+            wait_for_row(arrived_ptr, tl.maximum(finish_row, 0), finish_valid, SEGMENTS)
+            e_prev, m_prev = e, m
+        else:
+            finish_row, finish_valid, e_finish, m_finish = row, valid, e, m
         if PHASE != STATISTICS:
-            part_mask = parts < SEGMENTS
-            m_parts = tl.load(m_part_ptr + row * SEGMENTS + parts, mask=part_mask, other=float("-inf"), volatile=True)
-            d_parts = tl.load(d_part_ptr + row * SEGMENTS + parts, mask=part_mask, other=0.0, volatile=True)
-            m = tl.max(m_parts, axis=0)
-            m_shift = tl.where(m == float("-inf"), 0.0, m)
-            d_inverse = 1.0 / tl.sum(d_parts * tl.exp(m_parts - m_shift), axis=0)
-            tl.store(y_ptr + row * y_row_stride + cols, tl.exp(x - m) * d_inverse, mask=mask)
+            part_mask = parts < tl.where(finish_valid, SEGMENTS, 0)
+            offsets = finish_row * SEGMENTS + parts
+            m_parts = tl.load(m_part_ptr + offsets, mask=part_mask, other=float("-inf"), volatile=True)
+            d_parts = tl.load(d_part_ptr + offsets, mask=part_mask, other=0.0, volatile=True)
+            m_row = tl.max(m_parts, axis=0)
+            d_row = tl.sum(d_parts * tl.exp(m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)), axis=0)
+            scale = tl.where(m_finish == float("-inf"), 0.0, tl.exp(m_finish - m_row)) / d_row
+            tl.store(y_ptr + finish_row * y_row_stride + cols, e_finish * scale,
+                     mask=cols < tl.where(finish_valid, n_cols, 0))
 
 
 @triton.jit
@@ -111,28 +133,36 @@ def softmax_backward_split_kernel(
     dx_row_stride, n_rows, n_cols,
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Backward for long rows: SEGMENTS programs share a row; the only thing they exchange is their part of
-    sum(y * dy)."""
+    """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy), with the
+    same one-row-behind pipeline as the forward."""
     segment = tl.program_id(0) % SEGMENTS
     group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
     cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
     parts = tl.arange(0, SEGMENTS_POW2)
-    for row_index in range(group, n_rows, n_groups):
-        row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
+    y_prev = tl.zeros((BLOCK_N,), tl.float32 if y_ptr.dtype.element_ty != tl.float64 else tl.float64)
+    dy_prev = y_prev
+    for row_index in range(group, n_rows + n_groups, n_groups):
+        row = tl.cast(row_index, tl.int64)
+        valid = row < n_rows
+        mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
         y = upcast(tl.load(y_ptr + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0))
         dy = upcast(tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0))
         if PHASE != FINISH:
-            tl.store(dot_part_ptr + row * SEGMENTS + segment, tl.sum(y * dy, axis=0))
+            tl.store(dot_part_ptr + row * SEGMENTS + segment, tl.sum(y * dy, axis=0), mask=valid)
         if PHASE == FUSED:
             tl.debug_barrier()
-            tl.atomic_add(arrived_ptr + row, 1, sem="release")
-            while tl.atomic_add(arrived_ptr + row, 0, sem="acquire") < SEGMENTS:
-                pass
+            tl.atomic_add(arrived_ptr + row, 1, mask=valid, sem="release")
+            finish_row, finish_valid, y_finish, dy_finish = row - n_groups, row >= group + n_groups, y_prev, dy_prev
+            wait_for_row(arrived_ptr, tl.maximum(finish_row, 0), finish_valid, SEGMENTS)
+            y_prev, dy_prev = y, dy
+        else:
+            finish_row, finish_valid, y_finish, dy_finish = row, valid, y, dy
         if PHASE != STATISTICS:
-            dot_parts = tl.load(dot_part_ptr + row * SEGMENTS + parts, mask=parts < SEGMENTS, other=0.0, volatile=True)
+            part_mask = parts < tl.where(finish_valid, SEGMENTS, 0)
+            dot_parts = tl.load(dot_part_ptr + finish_row * SEGMENTS + parts, mask=part_mask, other=0.0, volatile=True)
             dot = tl.sum(dot_parts, axis=0)
-            tl.store(dx_ptr + row * dx_row_stride + cols, y * (dy - dot), mask=mask)
+            tl.store(dx_ptr + finish_row * dx_row_stride + cols, y_finish * (dy_finish - dot),
+                     mask=cols < tl.where(finish_valid, n_cols, 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -142,12 +172,14 @@ def softmax_backward_split_kernel(
 @dataclass(frozen=True)
 class Plan:
     """How rows of one length are cut: ``segments`` programs per row (1: tile kernel) of ``block_n`` elements,
-    ``rows`` rows per tile, and ``num_warps`` warps per program."""
+    ``rows`` rows per tile, ``num_warps`` warps per program, and whether a tile kernel runs a persistent grid (a split
+    always does: its programs must all be resident) or one program per tile."""
 
     rows: int
     block_n: int
     segments: int
     num_warps: int
+    persistent: bool = False
 
 
 # Elements one program holds at once, per phase (backward holds y and dy, so half as many columns). Chosen by the
@@ -165,7 +197,7 @@ def plan_for(n_cols: int, phase: str) -> Plan:
         rows = max(1, TILE_ELEMENTS[phase] // block)
         return Plan(rows, block, 1, _warps(rows * block))
     segment = SEGMENT_ELEMENTS[phase]
-    return Plan(1, segment, triton.cdiv(n_cols, segment), _warps(segment))
+    return Plan(1, segment, triton.cdiv(n_cols, segment), _warps(segment), persistent=True)
 
 
 def _warps(elements: int) -> int:
@@ -195,9 +227,11 @@ CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every ker
 _resident_cache: dict[tuple, int] = {}
 
 
-def _grid_size(kernel, args, constexprs, num_warps: int, work_items: int, group: int) -> int:
+def _grid_size(kernel, args, constexprs, num_warps: int, work_items: int, group: int, persistent: bool = True) -> int:
     """Programs to launch: never more than the GPU holds at once (a split needs every program of a row resident),
-    in whole groups of ``group`` programs, never more than there is work for."""
+    in whole groups of ``group`` programs, never more than there is work for. Not persistent: one per work item."""
+    if not persistent:
+        return work_items
     if INTERPRET:
         return group * min(work_items, CPU_PROGRAMS)
     key = (kernel.fn.__name__, num_warps, *sorted(constexprs.items()),
@@ -216,7 +250,8 @@ def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -
     if plan.segments == 1:
         constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
         args = (y, x, *strides)
-        grid = _grid_size(softmax_tile_kernel, args, constexprs, plan.num_warps, triton.cdiv(n_rows, plan.rows), 1)
+        grid = _grid_size(softmax_tile_kernel, args, constexprs, plan.num_warps, triton.cdiv(n_rows, plan.rows), 1,
+                          plan.persistent or INTERPRET)
         softmax_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
         return
     m_part = torch.empty(n_rows, plan.segments, dtype=_partial_dtype(x), device=x.device)
@@ -234,7 +269,7 @@ def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: P
         constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
         args = (dx, y, dy, *strides)
         grid = _grid_size(softmax_backward_tile_kernel, args, constexprs, plan.num_warps,
-                          triton.cdiv(n_rows, plan.rows), 1)
+                          triton.cdiv(n_rows, plan.rows), 1, plan.persistent or INTERPRET)
         softmax_backward_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
         return
     dot_part = torch.empty(n_rows, plan.segments, dtype=_partial_dtype(y), device=y.device)

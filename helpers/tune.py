@@ -32,12 +32,13 @@ def candidate_plans(n_cols: int) -> list[fused.Plan]:
         if block <= 32768:
             for tile in TILE_ELEMENTS:
                 rows = max(1, tile // block)
-                plans.add(fused.Plan(rows, block, 1, warps(rows * block)))
+                for persistent in (False, True):
+                    plans.add(fused.Plan(rows, block, 1, warps(rows * block), persistent))
         if n_cols > 4096:
             for segment in SEGMENT_ELEMENTS:
                 if segment < block:
-                    plans.add(fused.Plan(1, segment, triton.cdiv(n_cols, segment), warps(segment)))
-    return sorted(plans, key=lambda p: (p.segments, p.rows, p.block_n, p.num_warps))
+                    plans.add(fused.Plan(1, segment, triton.cdiv(n_cols, segment), warps(segment), True))
+    return sorted(plans, key=lambda p: (p.segments, p.rows, p.block_n, p.num_warps, p.persistent))
 
 
 def time_plan(phase: str, plan: fused.Plan, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> float:
@@ -59,7 +60,8 @@ def main() -> None:
     path = args.out or str(bench.results_path(gpu)).replace(".csv", "-tuning.csv")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["gpu", "phase", "dtype", "N", "rows", "block_n", "segments", "num_warps", "ms", "fraction"])
+        writer.writerow(["gpu", "phase", "dtype", "N", "rows", "block_n", "segments", "num_warps", "persistent", "ms",
+                         "fraction"])
         for dtype in (torch.float32, torch.bfloat16):
             for n in N_VALUES:
                 m = max(args.total_elements // n, 1)
@@ -74,7 +76,7 @@ def main() -> None:
                         ms = time_plan(phase, plan, x, y, dy)
                         fraction = bench.gbps(n_bytes, ms) / ceiling
                         writer.writerow([gpu, phase, str(dtype)[6:], n, plan.rows, plan.block_n, plan.segments,
-                                         plan.num_warps, f"{ms:.5f}", f"{fraction:.3f}"])
+                                         plan.num_warps, int(plan.persistent), f"{ms:.5f}", f"{fraction:.3f}"])
                         best = max(best or (0, plan), (fraction, plan), key=lambda t: t[0])
                     default = fused.plan_for(n, phase)
                     print(f"{phase:8s} {str(dtype)[6:]:8s} N={n:6d} best {best[0]:.2f} {best[1]}  default {default}",
