@@ -68,8 +68,8 @@ def softmax_split_kernel(
     (m, d) through m_part/d_part (notebook 05's merge). Groups of SEGMENTS programs walk the rows grid-stride.
 
     Each piece keeps e = exp(x - m_piece) in registers, so finishing is one multiply by exp(m_piece - m) / d. In one
-    launch (PHASE 2) a program publishes row r, starts loading its piece of row r + 1, and only then waits for and
-    finishes row r - 1, whose partials have had a whole iteration to arrive: waits hide behind loads in flight.
+    launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had the time
+    of a whole load to arrive: the wait hides behind the next row's loads.
     """
     segment = tl.program_id(0) % SEGMENTS
     group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
@@ -77,13 +77,12 @@ def softmax_split_kernel(
     parts = tl.arange(0, SEGMENTS_POW2)
     e_prev = tl.zeros((BLOCK_N,), tl.float32 if x_ptr.dtype.element_ty != tl.float64 else tl.float64)
     m_prev = tl.max(e_prev, axis=0)
-    x_next = upcast(tl.load(x_ptr + group * x_row_stride + cols * x_col_stride,
-                            mask=cols < tl.where(group < n_rows, n_cols, 0), other=float("-inf")))
     # one iteration past the group's last row, so that in PHASE 2 the last row is finished too
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
         valid = row < n_rows
-        x = x_next
+        mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
+        x = upcast(tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=float("-inf")))
         m = tl.max(x, axis=0)
         e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))  # a piece of all -inf: e = 0, partial (-inf, 0)
         if PHASE != FINISH:
@@ -92,12 +91,6 @@ def softmax_split_kernel(
         if PHASE == FUSED:
             tl.debug_barrier()  # every thread's partial stores come before the signal
             tl.atomic_add(arrived_ptr + row, 1, mask=valid, sem="release")
-        # prefetch this program's piece of its next row: the load is in flight while we wait and finish below
-        next_row = row + n_groups
-        next_mask = cols < tl.where(next_row < n_rows, n_cols, 0)  # a row past the end has no columns
-        x_next = upcast(tl.load(x_ptr + next_row * x_row_stride + cols * x_col_stride, mask=next_mask,
-                                other=float("-inf")))
-        if PHASE == FUSED:
             finish_row, finish_valid, e_finish, m_finish = row - n_groups, row >= group + n_groups, e_prev, m_prev
             wait_for_row(arrived_ptr, tl.maximum(finish_row, 0), finish_valid, SEGMENTS)
             e_prev, m_prev = e, m
@@ -141,30 +134,24 @@ def softmax_backward_split_kernel(
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy), with the
-    same pipeline as the forward (prefetch the next row, finish the previous one)."""
+    same one-row-behind pipeline as the forward."""
     segment = tl.program_id(0) % SEGMENTS
     group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
     cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
     y_prev = tl.zeros((BLOCK_N,), tl.float32 if y_ptr.dtype.element_ty != tl.float64 else tl.float64)
     dy_prev = y_prev
-    first_mask = cols < tl.where(group < n_rows, n_cols, 0)
-    y_next = upcast(tl.load(y_ptr + group * y_row_stride + cols * y_col_stride, mask=first_mask, other=0.0))
-    dy_next = upcast(tl.load(dy_ptr + group * dy_row_stride + cols * dy_col_stride, mask=first_mask, other=0.0))
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)
         valid = row < n_rows
-        y, dy = y_next, dy_next
+        mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
+        y = upcast(tl.load(y_ptr + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0))
+        dy = upcast(tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0))
         if PHASE != FINISH:
             tl.store(dot_part_ptr + row * SEGMENTS + segment, tl.sum(y * dy, axis=0), mask=valid)
         if PHASE == FUSED:
             tl.debug_barrier()
             tl.atomic_add(arrived_ptr + row, 1, mask=valid, sem="release")
-        next_row = row + n_groups  # prefetch, as in the forward
-        next_mask = cols < tl.where(next_row < n_rows, n_cols, 0)
-        y_next = upcast(tl.load(y_ptr + next_row * y_row_stride + cols * y_col_stride, mask=next_mask, other=0.0))
-        dy_next = upcast(tl.load(dy_ptr + next_row * dy_row_stride + cols * dy_col_stride, mask=next_mask, other=0.0))
-        if PHASE == FUSED:
             finish_row, finish_valid, y_finish, dy_finish = row - n_groups, row >= group + n_groups, y_prev, dy_prev
             wait_for_row(arrived_ptr, tl.maximum(finish_row, 0), finish_valid, SEGMENTS)
             y_prev, dy_prev = y, dy
