@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
@@ -62,6 +63,56 @@ def copy_gbps(n_elements: int, dtype: torch.dtype) -> float:
     src = torch.randn(n_elements, device=DEVICE).to(dtype)
     dst = torch.empty_like(src)
     return gbps(2 * src.numel() * src.element_size(), time_ms(lambda: dst.copy_(src)))
+
+
+def _liger():
+    """Liger-Kernel's softmax functions when it is installed, else None."""
+    try:
+        from liger_kernel.ops import softmax as liger_softmax
+    except ImportError:
+        return None
+    return liger_softmax
+
+
+@functools.cache
+def _compiled(phase: str):
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 1000  # one graph per shape and dtype: the default 8 falls back to eager
+    if phase == "forward":
+        return torch.compile(lambda x: torch.softmax(x, -1), dynamic=False)
+    return torch.compile(lambda y, dy: torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype), dynamic=False)
+
+
+def peer_forward_impls() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]:
+    """The course's public op against its peers: torch eager, torch.compile, and Liger-Kernel when installed."""
+    from .ops import softmax_forward
+
+    impls = {
+        "helpers": lambda x: lambda: softmax_forward(x),
+        "torch": lambda x: lambda: torch.softmax(x, -1),
+        "compile": lambda x: lambda: _compiled("forward")(x),
+    }
+    if (liger := _liger()) is not None:
+        impls["liger"] = lambda x: lambda: liger._softmax_forward(x)
+    return impls
+
+
+def peer_backward_impls() -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], object]]]:
+    from .ops import softmax_backward
+
+    impls = {
+        "helpers": lambda x, y, dy: lambda: softmax_backward(y, dy),
+        "torch": lambda x, y, dy: lambda: torch._softmax_backward_data(dy, y, -1, y.dtype),
+        "compile": lambda x, y, dy: lambda: _compiled("backward")(y, dy),
+    }
+    if (liger := _liger()) is not None:
+        def liger_backward(x, y, dy):
+            settings = liger._softmax_forward(x)[1:]  # block size, warps, and which kernel its forward used
+            return lambda: liger._softmax_backward(dy, y, *settings)
+
+        impls["liger"] = liger_backward
+    return impls
 
 
 def forward_impls() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]:
@@ -116,8 +167,10 @@ def sweep(
     phases: Iterable[str] = ("forward", "backward"),
     impls: Iterable[str] | None = None,
     progress: bool = True,
+    peers: bool = False,
 ) -> list[Result]:
-    """Time every implementation on M x N inputs with M = total_elements // N (fresh random data), plus the copy."""
+    """Time every implementation on M x N inputs with M = total_elements // N (fresh random data), plus the copy.
+    ``peers``: the course's public ops against torch, torch.compile and Liger instead of the teaching kernels."""
     from tqdm.auto import tqdm
 
     gpu, date = gpu_name(), datetime.date.today().isoformat()
@@ -130,17 +183,21 @@ def sweep(
         ceiling = copy_gbps(m * n, dtype)
         n_bytes = ELEMENTS_MOVED[phase] * m * n * x.element_size()
         if phase == "forward":
-            runs = {name: make(x) for name, make in forward_impls().items()}
+            makers, inputs = (peer_forward_impls() if peers else forward_impls()), (x,)
         else:
             y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
-            runs = {name: make(x, y, dy) for name, make in backward_impls().items()}
-        for name, run in runs.items():
+            makers, inputs = (peer_backward_impls() if peers else backward_impls()), (x, y, dy)
+        for name, make in makers.items():
             if (wanted is not None and name not in wanted) or n > LONGEST_ROW.get(name, n):
                 continue
-            ms = time_ms(run)
+            try:
+                ms = time_ms(make(*inputs))
+            except Exception as error:  # a peer that refuses a size (Liger past 65536) is recorded as missing
+                print(f"{name} {phase} {dtype} N={n}: {type(error).__name__}: {str(error)[:100]}")
+                continue
             results.append(Result(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, ms, gbps(n_bytes, ms),
                                   ceiling, date))
-        del x, runs
+        del x, inputs
     return results
 
 
@@ -177,6 +234,23 @@ def select(results: list[Result], **where) -> list[Result]:
 
 
 COURSE_N = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
+# Notebook 06's grid: short to LLM-vocabulary rows, powers of two and not (50257: GPT-2, 151936: Qwen).
+GRID_N = [256, 1024, 4096, 16384, 32768, 50257, 65536, 131072, 151936, 262144]
+
+
+def spill_report() -> list[dict]:
+    """Registers and spills of every variant of the fused kernels compiled in this process."""
+    from . import fused
+
+    rows = []
+    for kernel in (fused.softmax_tile_kernel, fused.softmax_split_kernel, fused.softmax_backward_tile_kernel,
+                   fused.softmax_backward_split_kernel):
+        for compiled in kernel.device_caches[torch.cuda.current_device()][0].values():
+            compiled._init_handles()
+            constants = {k[0] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()}
+            rows.append(dict(kernel=kernel.fn.__name__, n_regs=compiled.n_regs, n_spills=compiled.n_spills,
+                             num_warps=compiled.metadata.num_warps, constants=str(constants)))
+    return rows
 
 
 def main() -> None:
@@ -184,11 +258,20 @@ def main() -> None:
     parser.add_argument("--total-elements", type=int, default=2**27, help="M * N of every input (default 2**27)")
     args = parser.parse_args()
     results = sweep(COURSE_N, args.total_elements, dtypes=(torch.float32, torch.bfloat16))
+    results += sweep(GRID_N, args.total_elements, dtypes=(torch.float32, torch.bfloat16, torch.float16), peers=True)
     path = save_results(results)
     print(f"wrote {len(results)} rows to {path}")
-    for r in results:
-        fraction = r.gbps / r.copy_gbps
-        print(f"{r.phase:8s} {r.dtype:8s} N={r.N:6d} {r.impl:7s} {r.gbps:7.0f} GB/s  {fraction:5.2f} of copy")
+    spills = spill_report()
+    with path.with_name(path.stem + "-spills.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(spills[0]))
+        writer.writeheader()
+        writer.writerows(spills)
+    print(f"fused kernels compiled: {len(spills)}, with spills: {sum(r['n_spills'] > 0 for r in spills)}")
+    for r in select(results, impl="helpers"):
+        best_peer = max((p.gbps for p in select(results, phase=r.phase, dtype=r.dtype, N=r.N)
+                         if p.impl in ("torch", "compile", "liger")), default=0.0)
+        print(f"{r.phase:8s} {r.dtype:8s} N={r.N:6d} helpers {r.gbps / r.copy_gbps:5.2f} of copy, "
+              f"best peer {best_peer / r.copy_gbps:5.2f}")
 
 
 if __name__ == "__main__":

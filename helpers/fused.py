@@ -182,26 +182,26 @@ class Plan:
     persistent: bool = False
 
 
-# Elements one program holds at once, per phase (backward holds y and dy, so half as many columns). Chosen by the
-# tuning sweep in notebook 06: enough bytes per program to keep loads in flight, few enough to stay in registers.
-TILE_ELEMENTS = {"forward": 4096, "backward": 4096}
-SEGMENT_ELEMENTS = {"forward": 8192, "backward": 4096}  # the piece of a long row each program of a split holds
-MAX_TILE_ROW = {"forward": 16384, "backward": 8192}  # longer rows are split across programs
-ELEMENTS_PER_THREAD = 16
+# The shapes below are read off the tuning sweep (``python -m helpers.tune``, results/*-tuning.csv; notebook 06).
+TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
+ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16
+MAX_TILE_ROW = {"forward": 32768, "backward": 16384}  # longer rows are split across programs...
+MAX_TILE_ROW_2_BYTES = {"forward": 32768, "backward": 32768}  # ...for fp16/bf16 the backward tile goes further
+SEGMENT_ELEMENTS = {"forward": 2048, "backward": 2048}  # the piece of a long row each program of a split holds
+LONG_SEGMENT_ELEMENTS = 4096  # rows past LONG_ROW elements: fewer, larger pieces
+LONG_ROW = 100_000
 
 
-def plan_for(n_cols: int, phase: str) -> Plan:
-    """The kernel shape for rows of ``n_cols`` elements in ``phase`` ("forward" or "backward")."""
+def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
+    """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``."""
     block = triton.next_power_of_2(n_cols)
-    if block <= MAX_TILE_ROW[phase]:
-        rows = max(1, TILE_ELEMENTS[phase] // block)
-        return Plan(rows, block, 1, _warps(rows * block))
-    segment = SEGMENT_ELEMENTS[phase]
-    return Plan(1, segment, triton.cdiv(n_cols, segment), _warps(segment), persistent=True)
-
-
-def _warps(elements: int) -> int:
-    return max(1, min(16, elements // (32 * ELEMENTS_PER_THREAD)))
+    max_tile = (MAX_TILE_ROW_2_BYTES if element_size == 2 else MAX_TILE_ROW)[phase]
+    if block <= max_tile:
+        rows = max(1, TILE_ELEMENTS // block)
+        return Plan(rows, block, 1, max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD))))
+    segment = SEGMENT_ELEMENTS[phase] if n_cols < LONG_ROW else max(SEGMENT_ELEMENTS[phase], LONG_SEGMENT_ELEMENTS)
+    warps = segment // 1024 if phase == "forward" else 4
+    return Plan(1, segment, triton.cdiv(n_cols, segment), warps, persistent=True)
 
 
 @functools.cache
@@ -245,7 +245,7 @@ def _grid_size(kernel, args, constexprs, num_warps: int, work_items: int, group:
 def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -> None:
     """Softmax of the rows of the 2-D ``x`` into the contiguous 2-D ``y`` with the fused kernels."""
     n_rows, n_cols = x.shape
-    plan = plan or plan_for(n_cols, "forward")
+    plan = plan or plan_for(n_cols, "forward", x.element_size())
     strides = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
     if plan.segments == 1:
         constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
@@ -263,7 +263,7 @@ def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
     """dx of the rows of the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx`` with the fused kernels."""
     n_rows, n_cols = y.shape
-    plan = plan or plan_for(n_cols, "backward")
+    plan = plan or plan_for(n_cols, "backward", y.element_size())
     strides = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
     if plan.segments == 1:
         constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)

@@ -78,7 +78,7 @@ def main() -> None:
                         writer.writerow([gpu, phase, str(dtype)[6:], n, plan.rows, plan.block_n, plan.segments,
                                          plan.num_warps, int(plan.persistent), f"{ms:.5f}", f"{fraction:.3f}"])
                         best = max(best or (0, plan), (fraction, plan), key=lambda t: t[0])
-                    default = fused.plan_for(n, phase)
+                    default = fused.plan_for(n, phase, x.element_size())
                     print(f"{phase:8s} {str(dtype)[6:]:8s} N={n:6d} best {best[0]:.2f} {best[1]}  default {default}",
                           flush=True)
                 f.flush()

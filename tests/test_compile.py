@@ -1,4 +1,5 @@
-"""Every Triton kernel in helpers (teaching and fused) compiles for a free-Colab T4 (sm_75) and an H100 (sm_90), with no GPU present.
+"""Every Triton kernel in helpers (teaching and fused) compiles for a free-Colab T4 (sm_75) and an H100 (sm_90),
+with no GPU present.
 
 The compilation runs in a subprocess with the interpreter off (SOFTMAX_INTERPRET=0), since an interpreted kernel
 cannot be compiled.

@@ -31,13 +31,15 @@ def test_backward_kernels(kernel, dtype):
     torch.testing.assert_close(dx.double(), torch_backward(y, dy, -1), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("element_size", [2, 4, 8])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-@pytest.mark.parametrize("n_cols", [1, 3, 256, 781, 1024, 4097, 16384, 50257, 65536, 151936, 262144])
-def test_plans_cover_the_row(phase, n_cols):
-    plan = fused.plan_for(n_cols, phase)
+@pytest.mark.parametrize("n_cols", [1, 3, 256, 781, 1024, 4097, 16384, 32769, 50257, 65536, 151936, 262144])
+def test_plans_cover_the_row(phase, n_cols, element_size):
+    plan = fused.plan_for(n_cols, phase, element_size)
     assert plan.segments * plan.block_n >= n_cols > (plan.segments - 1) * plan.block_n
-    assert plan.rows * plan.block_n <= max(fused.TILE_ELEMENTS[phase], plan.block_n)
+    assert plan.rows * plan.block_n <= max(fused.TILE_ELEMENTS, plan.block_n)
     assert 1 <= plan.num_warps <= 16
+    assert plan.persistent == (plan.segments > 1)  # a split must be persistent (all its programs resident)
 
 
 def test_fused_grid_is_persistent(looped):
