@@ -8,11 +8,12 @@ Two shapes of kernel, both persistent (a grid sized to fill the GPU once, each p
   exchange their partial statistics, (m, d) forward or the partial sum of y * dy backward, through global memory. Each
   piece of x stays in registers between the two halves, so x is read once.
 
-The programs of a row must wait for each other. On a GPU that is a per-row atomic counter: each program adds 1 once
-its partial is written (``PHASE`` 2), then spins until all ``SEGMENTS`` have. That is safe only when every program of
-the grid is resident at once, so the grid never exceeds what the GPU holds (``resident_programs``). Triton's
-interpreter runs programs one after another, where a spin would never end, so there the same kernel runs as two
-launches: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes (re-reading x).
+The programs of a row must wait for each other. Each writes its partial as one 64-bit word into a slot that starts
+EMPTY, and on a GPU (``PHASE`` 2) readers poll the slots until none is EMPTY. A wait is safe only when every program
+of the grid is resident at once, so the grid never exceeds what the GPU holds (``resident_programs``). Triton's
+interpreter runs programs one after another, where a wait would never end, so there the same kernel runs as two
+launches: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes (re-reading x). fp64 partials do not
+fit a 64-bit word; fp64 rows too long for a tile take notebook 05's looped kernels.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import kernels
 from .device import INTERPRET
 from .kernels import upcast
 
 # PHASE of a split kernel: partials only, merge-and-finish only, or both in one launch with a wait between.
 STATISTICS, FINISH, FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# A partial slot not written yet. Written slots hold two fp32 bit patterns; all ones is a negative NaN with a payload
+# that GPU arithmetic never produces (its NaNs are 0x7fffffff), so no real partial can look EMPTY.
+EMPTY = tl.constexpr(-1)
 
 
 @triton.jit
@@ -52,55 +57,72 @@ def softmax_tile_kernel(
 
 
 @triton.jit
-def wait_for_row(arrived_ptr, row, valid, SEGMENTS: tl.constexpr):
-    """Spin until all SEGMENTS programs of ``row`` have published (nothing to wait for when not ``valid``)."""
-    target = tl.where(valid, SEGMENTS, 0)
-    while tl.atomic_add(arrived_ptr + row, 0, sem="acquire") < target:
-        pass
+def pack(high, low):
+    """Two fp32 values in one 64-bit word: a single store publishes both at once."""
+    high_bits = high.to(tl.uint32, bitcast=True).to(tl.uint64)
+    low_bits = low.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return ((high_bits << 32) | low_bits).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def unpack(word):
+    bits = word.to(tl.uint64, bitcast=True)
+    high = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    low = (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    return high, low
+
+
+@triton.jit
+def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid):
+    """The SEGMENTS packed partials of ``row``, waiting until every one has been written (no slot still EMPTY).
+
+    Each slot is one 64-bit word, written by one store, so a reader sees either EMPTY or the whole partial: no
+    counter, no fence. Volatile loads go to L2 each time instead of a stale L1 line."""
+    mask = parts < tl.where(valid, SEGMENTS, 0)
+    words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
+    while tl.sum((words == EMPTY).to(tl.int32), axis=0) > 0:
+        words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
+    return words
 
 
 @triton.jit
 def softmax_split_kernel(
-    y_ptr, x_ptr, m_part_ptr, d_part_ptr, arrived_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
+    y_ptr, x_ptr, part_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Forward for long rows: SEGMENTS consecutive programs share each row, one BLOCK_N piece each, and merge their
-    (m, d) through m_part/d_part (notebook 05's merge). Groups of SEGMENTS programs walk the rows grid-stride.
+    (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per piece, EMPTY until written. Groups of
+    SEGMENTS programs walk the rows grid-stride.
 
     Each piece keeps e = exp(x - m_piece) in registers, so finishing is one multiply by exp(m_piece - m) / d. In one
-    launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had the time
-    of a whole load to arrive: the wait hides behind the next row's loads.
+    launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had a whole
+    iteration to arrive: the wait hides behind the loads of the next row.
     """
     segment = tl.program_id(0) % SEGMENTS
     group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
     cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
-    e_prev = tl.zeros((BLOCK_N,), tl.float32 if x_ptr.dtype.element_ty != tl.float64 else tl.float64)
+    e_prev = tl.zeros((BLOCK_N,), tl.float32)
     m_prev = tl.max(e_prev, axis=0)
     # one iteration past the group's last row, so that in PHASE 2 the last row is finished too
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
         valid = row < n_rows
         mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
-        x = upcast(tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=float("-inf")))
+        x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=float("-inf")).to(tl.float32)
         m = tl.max(x, axis=0)
         e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))  # a piece of all -inf: e = 0, partial (-inf, 0)
         if PHASE != FINISH:
-            tl.store(m_part_ptr + row * SEGMENTS + segment, m, mask=valid)
-            tl.store(d_part_ptr + row * SEGMENTS + segment, tl.sum(e, axis=0), mask=valid)
+            tl.store(part_ptr + row * SEGMENTS + segment, pack(m, tl.sum(e, axis=0)), mask=valid)
         if PHASE == FUSED:
-            tl.debug_barrier()  # every thread's partial stores come before the signal
-            tl.atomic_add(arrived_ptr + row, 1, mask=valid, sem="release")
             finish_row, finish_valid, e_finish, m_finish = row - n_groups, row >= group + n_groups, e_prev, m_prev
-            wait_for_row(arrived_ptr, tl.maximum(finish_row, 0), finish_valid, SEGMENTS)
             e_prev, m_prev = e, m
         else:
             finish_row, finish_valid, e_finish, m_finish = row, valid, e, m
         if PHASE != STATISTICS:
-            part_mask = parts < tl.where(finish_valid, SEGMENTS, 0)
-            offsets = finish_row * SEGMENTS + parts
-            m_parts = tl.load(m_part_ptr + offsets, mask=part_mask, other=float("-inf"), volatile=True)
-            d_parts = tl.load(d_part_ptr + offsets, mask=part_mask, other=0.0, volatile=True)
+            m_parts, d_parts = unpack(read_partials(part_ptr, tl.maximum(finish_row, 0), parts, SEGMENTS,
+                                                    finish_valid))
+            m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
             m_row = tl.max(m_parts, axis=0)
             d_row = tl.sum(d_parts * tl.exp(m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)), axis=0)
             scale = tl.where(m_finish == float("-inf"), 0.0, tl.exp(m_finish - m_row)) / d_row
@@ -129,38 +151,34 @@ def softmax_backward_tile_kernel(
 
 @triton.jit
 def softmax_backward_split_kernel(
-    dx_ptr, y_ptr, dy_ptr, dot_part_ptr, arrived_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride,
-    dx_row_stride, n_rows, n_cols,
-    SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
+    dx_ptr, y_ptr, dy_ptr, part_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_rows,
+    n_cols, SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy), with the
-    same one-row-behind pipeline as the forward."""
+    """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
+    with a 0 beside it, so a written slot is never EMPTY), with the same one-row-behind pipeline as the forward."""
     segment = tl.program_id(0) % SEGMENTS
     group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
     cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
-    y_prev = tl.zeros((BLOCK_N,), tl.float32 if y_ptr.dtype.element_ty != tl.float64 else tl.float64)
+    y_prev = tl.zeros((BLOCK_N,), tl.float32)
     dy_prev = y_prev
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)
         valid = row < n_rows
         mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
-        y = upcast(tl.load(y_ptr + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0))
-        dy = upcast(tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0))
+        y = tl.load(y_ptr + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
         if PHASE != FINISH:
-            tl.store(dot_part_ptr + row * SEGMENTS + segment, tl.sum(y * dy, axis=0), mask=valid)
+            dot_piece = tl.sum(y * dy, axis=0)
+            tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece)), mask=valid)
         if PHASE == FUSED:
-            tl.debug_barrier()
-            tl.atomic_add(arrived_ptr + row, 1, mask=valid, sem="release")
             finish_row, finish_valid, y_finish, dy_finish = row - n_groups, row >= group + n_groups, y_prev, dy_prev
-            wait_for_row(arrived_ptr, tl.maximum(finish_row, 0), finish_valid, SEGMENTS)
             y_prev, dy_prev = y, dy
         else:
             finish_row, finish_valid, y_finish, dy_finish = row, valid, y, dy
         if PHASE != STATISTICS:
-            part_mask = parts < tl.where(finish_valid, SEGMENTS, 0)
-            dot_parts = tl.load(dot_part_ptr + finish_row * SEGMENTS + parts, mask=part_mask, other=0.0, volatile=True)
-            dot = tl.sum(dot_parts, axis=0)
+            dot_parts, _ = unpack(read_partials(part_ptr, tl.maximum(finish_row, 0), parts, SEGMENTS, finish_valid))
+            dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
             tl.store(dx_ptr + finish_row * dx_row_stride + cols, y_finish * (dy_finish - dot),
                      mask=cols < tl.where(finish_valid, n_cols, 0))
 
@@ -186,7 +204,7 @@ class Plan:
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
 ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16
 MAX_TILE_ROW = {"forward": 32768, "backward": 16384}  # longer rows are split across programs...
-MAX_TILE_ROW_2_BYTES = {"forward": 32768, "backward": 32768}  # ...for fp16/bf16 the backward tile goes further
+MAX_TILE_ROW_2_BYTES = {"forward": 32768, "backward": 16384}  # (a 32768 backward tile spills registers)
 SEGMENT_ELEMENTS = {"forward": 2048, "backward": 2048}  # the piece of a long row each program of a split holds
 LONG_SEGMENT_ELEMENTS = 4096  # rows past LONG_ROW elements: fewer, larger pieces
 LONG_ROW = 100_000
@@ -253,11 +271,11 @@ def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -
         grid = _grid_size(softmax_tile_kernel, args, constexprs, plan.num_warps, triton.cdiv(n_rows, plan.rows), 1,
                           plan.persistent or INTERPRET)
         softmax_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
-        return
-    m_part = torch.empty(n_rows, plan.segments, dtype=_partial_dtype(x), device=x.device)
-    d_part = torch.empty_like(m_part)
-    arrived = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
-    _launch_split(softmax_split_kernel, (y, x, m_part, d_part, arrived, *strides), plan, n_rows)
+    elif x.dtype == torch.float64:  # fp64 partials do not fit a 64-bit word: notebook 05's looped kernel
+        kernels.launch_forward(x, y, kernels.softmax_online_kernel)
+    else:
+        parts = torch.full((n_rows, plan.segments), EMPTY.value, dtype=torch.int64, device=x.device)
+        _launch_split(softmax_split_kernel, (y, x, parts, *strides), plan, n_rows)
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
@@ -271,14 +289,11 @@ def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: P
         grid = _grid_size(softmax_backward_tile_kernel, args, constexprs, plan.num_warps,
                           triton.cdiv(n_rows, plan.rows), 1, plan.persistent or INTERPRET)
         softmax_backward_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
-        return
-    dot_part = torch.empty(n_rows, plan.segments, dtype=_partial_dtype(y), device=y.device)
-    arrived = torch.zeros(n_rows, dtype=torch.int32, device=y.device)
-    _launch_split(softmax_backward_split_kernel, (dx, y, dy, dot_part, arrived, *strides), plan, n_rows)
-
-
-def _partial_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    elif y.dtype == torch.float64 or dy.dtype == torch.float64:
+        kernels.launch_backward(y, dy, dx, kernels.softmax_backward_looped_kernel)
+    else:
+        parts = torch.full((n_rows, plan.segments), EMPTY.value, dtype=torch.int64, device=y.device)
+        _launch_split(softmax_backward_split_kernel, (dx, y, dy, parts, *strides), plan, n_rows)
 
 
 def _launch_split(kernel, args, plan: Plan, n_rows: int) -> None:

@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-elements", type=int, default=2**26)
     parser.add_argument("--out", default=None, help="CSV path (default results/<gpu>-tuning.csv)")
+    parser.add_argument("--n", type=int, nargs="+", default=N_VALUES, help="row lengths to tune")
     args = parser.parse_args()
     gpu = bench.gpu_name()
     path = args.out or str(bench.results_path(gpu)).replace(".csv", "-tuning.csv")
@@ -63,7 +64,7 @@ def main() -> None:
         writer.writerow(["gpu", "phase", "dtype", "N", "rows", "block_n", "segments", "num_warps", "persistent", "ms",
                          "fraction"])
         for dtype in (torch.float32, torch.bfloat16):
-            for n in N_VALUES:
+            for n in args.n:
                 m = max(args.total_elements // n, 1)
                 x = (torch.randn(m, n, device=DEVICE) * 4).to(dtype)
                 y = torch.softmax(x.float(), -1).to(dtype)

@@ -22,16 +22,13 @@ kernels = {name: obj for module in (helpers.kernels, helpers.fused) for name, ob
            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
 assert len(kernels) >= 9, sorted(kernels)
 CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "PHASE": helpers.fused.FUSED}  # others: block sizes
-partial = "fp64" if dtype == "fp64" else "fp32"
 for name, kernel in sorted(kernels.items()):
     signature, constexprs = {}, {}
     for param in kernel.params:
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", CONSTEXPRS.get(param.name, 1024)
-        elif param.name == "arrived_ptr":
-            signature[param.name] = "*i32"
-        elif param.name.endswith("_part_ptr"):
-            signature[param.name] = f"*{partial}"
+        elif param.name == "part_ptr":  # packed partials of the split kernels
+            signature[param.name] = "*i64"
         else:
             signature[param.name] = f"*{dtype}" if param.name.endswith("_ptr") else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))
