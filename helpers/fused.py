@@ -200,14 +200,13 @@ class Plan:
     persistent: bool = False
 
 
-# The shapes below are read off the tuning sweep (``python -m helpers.tune``, results/*-tuning.csv; notebook 06).
+# The shapes below are read off the tuning sweep (``python -m helpers.tune``, results/*-tuning.csv; notebook 06),
+# choosing shapes that are good everywhere over ones that are best at one row length and fall off a cliff at another.
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
 ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16
-MAX_TILE_ROW = {"forward": 32768, "backward": 16384}  # longer rows are split across programs...
-MAX_TILE_ROW_2_BYTES = {"forward": 32768, "backward": 16384}  # (a 32768 backward tile spills registers)
-SEGMENT_ELEMENTS = {"forward": 2048, "backward": 2048}  # the piece of a long row each program of a split holds
-LONG_SEGMENT_ELEMENTS = 4096  # rows past LONG_ROW elements: fewer, larger pieces
-LONG_ROW = 100_000
+MAX_TILE_ROW = {"forward": 32768, "backward": 16384}  # longer rows are split across programs (fp32, fp64)
+MAX_TILE_ROW_2_BYTES = {"forward": 16384, "backward": 16384}  # fp16/bf16
+SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
 
 
 def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
@@ -217,9 +216,8 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     if block <= max_tile:
         rows = max(1, TILE_ELEMENTS // block)
         return Plan(rows, block, 1, max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD))))
-    segment = SEGMENT_ELEMENTS[phase] if n_cols < LONG_ROW else max(SEGMENT_ELEMENTS[phase], LONG_SEGMENT_ELEMENTS)
-    warps = segment // 1024 if phase == "forward" else 4
-    return Plan(1, segment, triton.cdiv(n_cols, segment), warps, persistent=True)
+    warps = 2 if phase == "forward" and element_size == 2 else 4
+    return Plan(1, SEGMENT_ELEMENTS, triton.cdiv(n_cols, SEGMENT_ELEMENTS), warps, persistent=True)
 
 
 @functools.cache

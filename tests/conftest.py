@@ -36,8 +36,7 @@ def looped(monkeypatch):
     monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
     monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW", {"forward": 16, "backward": 16})
     monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW_2_BYTES", {"forward": 16, "backward": 16})
-    monkeypatch.setattr(helpers.fused, "SEGMENT_ELEMENTS", {"forward": 16, "backward": 16})
-    monkeypatch.setattr(helpers.fused, "LONG_SEGMENT_ELEMENTS", 16)
+    monkeypatch.setattr(helpers.fused, "SEGMENT_ELEMENTS", 16)
 
 
 def randn(*shape, dtype=torch.float32, scale=3.0):
