@@ -218,7 +218,8 @@ def save_results(results: list[Result], path: Path | None = None) -> Path:
 def load_results(path: Path | None = None) -> list[Result]:
     """Recorded results: ``path``, or the newest CSV in results/."""
     if path is None:
-        candidates = sorted(RESULTS_DIR.glob("*.csv"), key=lambda p: p.stat().st_mtime)
+        candidates = sorted((p for p in RESULTS_DIR.glob("*.csv") if not p.stem.endswith(("-tuning", "-spills"))),
+                            key=lambda p: p.stat().st_mtime)
         if not candidates:
             raise FileNotFoundError(f"no recorded results in {RESULTS_DIR.name}/: run `make bench` on a GPU")
         path = candidates[-1]
@@ -226,6 +227,17 @@ def load_results(path: Path | None = None) -> list[Result]:
     cast = {"int": int, "float": float, "str": str}
     with path.open() as f:
         return [Result(**{k: cast[types[k]](v) for k, v in row.items()}) for row in csv.DictReader(f)]
+
+
+def load_tuning(path: Path | None = None) -> list[dict]:
+    """The rows of a recorded tuning sweep (``python -m helpers.tune``): the newest results/*-tuning.csv."""
+    if path is None:
+        candidates = sorted(RESULTS_DIR.glob("*-tuning.csv"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise FileNotFoundError(f"no tuning sweep in {RESULTS_DIR.name}/: run `python -m helpers.tune` on a GPU")
+        path = candidates[-1]
+    with path.open() as f:
+        return list(csv.DictReader(f))
 
 
 def select(results: list[Result], **where) -> list[Result]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import matplotlib
 
-from .bench import Result, load_results, select
+from .bench import Result, load_results, load_tuning, select
 
 IMAGES_DIR = Path(__file__).resolve().parent.parent / "images"
 STYLE = {  # impl -> (label, colour, marker)
@@ -20,6 +20,9 @@ STYLE = {  # impl -> (label, colour, marker)
     "online": ("Triton, looped online", "tab:purple", "D"),
     "looped": ("Triton, looped", "tab:purple", "D"),
     "graph": ("Triton, graph walk (notebook 03)", "tab:orange", "^"),
+    "helpers": ("this course (helpers.softmax)", "tab:green", "o"),
+    "compile": ("torch.compile", "tab:cyan", "P"),
+    "liger": ("Liger-Kernel", "tab:brown", "X"),
 }
 
 
@@ -107,8 +110,78 @@ def forward_graph_figure():
     return fig
 
 
+def peers_figure(results: list[Result], dtypes=("float32", "bfloat16", "float16")):
+    """Notebook 06: fraction of copy bandwidth against N, the course's op against its peers, forward and backward."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(5.5 * len(dtypes), 7), squeeze=False, sharey=True)
+    for row, phase in enumerate(("forward", "backward")):
+        for ax, dtype in zip(axes[row], dtypes, strict=True):
+            for impl in ("helpers", "torch", "compile", "liger"):
+                points = sorted(select(results, phase=phase, dtype=dtype, impl=impl), key=lambda r: r.N)
+                if points:
+                    label, colour, marker = STYLE[impl]
+                    ax.plot([r.N for r in points], [r.gbps / r.copy_gbps for r in points], marker=marker,
+                            color=colour, label=label)
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+            ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(0, 1.15)
+            ax.set_title(f"{phase}, {dtype}")
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("N (row length)")
+        axes[row][0].set_ylabel("fraction of copy bandwidth")
+    axes[0][0].legend(fontsize=8, loc="lower left")
+    fig.suptitle(recorded_label(results) + "  (dashed: the copy limit, dotted: 0.9 of it)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def tuning_figure(rows: list[dict], dtype: str = "float32"):
+    """Notebook 06: what the tuning sweep saw. Left: one program per tile against a persistent grid (best of each,
+    per N). Middle: rows per program at N = 256. Right: split piece size for long rows."""
+    import matplotlib.pyplot as plt
+
+    def best(filter_fn, key):
+        out = {}
+        for r in rows:
+            if r["dtype"] == dtype and r["phase"] == "forward" and filter_fn(r):
+                k = key(r)
+                out[k] = max(out.get(k, 0.0), float(r["fraction"]))
+        return dict(sorted(out.items()))
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    for persistent, label in (("0", "one program per tile"), ("1", "persistent grid")):
+        curve = best(lambda r, p=persistent: r["segments"] == "1" and r["persistent"] == p, lambda r: int(r["N"]))
+        axes[0].plot(list(curve), list(curve.values()), marker="o", label=label)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_title(f"tile kernels, forward {dtype}: grid")
+    curve = best(lambda r: r["segments"] == "1" and r["N"] == "256", lambda r: int(r["rows"]))
+    axes[1].plot(list(curve), list(curve.values()), marker="o", color="tab:green")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_title(f"N = 256, forward {dtype}: rows per program")
+    axes[1].set_xlabel("rows per program")
+    for n in sorted({int(r["N"]) for r in rows if r["segments"] != "1" and int(r["N"]) >= 50000}):
+        curve = best(lambda r, n=n: r["segments"] != "1" and int(r["N"]) == n, lambda r: int(r["block_n"]))
+        axes[2].plot(list(curve), list(curve.values()), marker="o", label=f"N = {n}")
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_title(f"split rows, forward {dtype}: elements per program")
+    axes[2].set_xlabel("elements per program (BLOCK_N)")
+    for ax in axes:
+        ax.set_ylim(0, 1.1)
+        ax.grid(alpha=0.3)
+        ax.set_ylabel("fraction of copy bandwidth")
+    axes[0].set_xlabel("N (row length)")
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 BANDWIDTH_FIGURES = {  # file name in images/ -> (phase, impls)
     "01_naive_vs_fused.png": ("forward", ["naive", "torch", "row"]),
+    "04_backward.png": ("backward", ["torch", "row", "graph"]),
+    "05_long_rows.png": ("forward", ["torch", "row", "online"]),
 }
 
 
@@ -119,6 +192,8 @@ def main() -> None:
     results = load_results()
     for name, (phase, impls) in BANDWIDTH_FIGURES.items():
         figures[name] = bandwidth_figure(results, phase, impls)
+    figures["06_against_peers.png"] = peers_figure(results)
+    figures["06_tuning.png"] = tuning_figure(load_tuning())
     for name, fig in figures.items():
         fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")
