@@ -1,0 +1,40 @@
+"""The recorded GPU results the notebooks plot on CPU, and the figure code that draws them."""
+
+import csv
+
+import matplotlib
+import pytest
+
+from helpers import bench, figures
+
+matplotlib.use("Agg")
+RESULTS = bench.load_results()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_recorded_sweep_covers_the_grid(phase, dtype):
+    for n in bench.GRID_N:
+        rows = bench.select(RESULTS, phase=phase, dtype=dtype, N=n)
+        assert {"helpers", "torch", "compile"} <= {r.impl for r in rows}, (phase, dtype, n)
+        assert all(r.ms > 0 and r.copy_gbps > 0 and r.M * r.N <= 2**27 for r in rows)
+
+
+def test_recorded_kernels_do_not_spill():
+    (path,) = bench.RESULTS_DIR.glob(bench.results_path(RESULTS[0].gpu).stem + "-spills.csv")
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(int(r["n_spills"]) == 0 for r in rows)
+
+
+def test_figures_draw_from_recorded_results():
+    assert len(figures.peers_figure(RESULTS).axes) == 6
+    assert len(figures.tuning_figure(bench.load_tuning()).axes) == 3
+    fig = figures.bandwidth_figure(RESULTS, "forward", ["naive", "torch", "row"])
+    assert [len(ax.lines) for ax in fig.axes] == [4, 4]  # the copy ceiling and three implementations per dtype
+    texts = figures.forward_graph_figure().axes[0].texts  # a box per node; a label and an arrow (annotation) per edge
+    assert len(texts) == len(figures.GRAPH_NODES) + 2 * len(figures.GRAPH_EDGES)
+
+
+def test_results_path_names_the_gpu():
+    assert bench.results_path("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.csv"
