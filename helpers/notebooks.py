@@ -20,6 +20,24 @@ def colab_badge(notebook: str) -> str:
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
+COLAB_CHECKOUT = "/content/softmax-in-triton"
+
+
+def colab_setup_cell() -> str:
+    """The first code cell of every notebook. On Colab it clones the course so ``import helpers`` works, and installs
+    nothing: Colab's own torch and triton stay as they are. Anywhere else it does nothing."""
+    return f'''import sys
+
+if "google.colab" in sys.modules:  # on Colab: fetch the course's helpers; Colab's torch and triton stay untouched
+    import os
+    import subprocess
+
+    if not os.path.isdir("{COLAB_CHECKOUT}"):
+        subprocess.run(["git", "clone", "--quiet", "--depth=1", "https://github.com/{REPOSITORY}",
+                        "{COLAB_CHECKOUT}"], check=True)
+    sys.path.insert(0, "{COLAB_CHECKOUT}")'''
+
+
 def execute(path: Path) -> None:
     """Run every cell of the notebook at ``path`` top to bottom on CPU and write the outputs back."""
     import nbformat
@@ -27,6 +45,8 @@ def execute(path: Path) -> None:
 
     notebook = nbformat.read(path, as_version=4)
     assert colab_badge(path.name) in "".join(notebook.cells[0].source), f"{path.name}: first cell lacks its badge"
+    first_code = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    assert first_code.source == colab_setup_cell(), f"{path.name}: first code cell is not the Colab setup cell"
     os.environ["SOFTMAX_INTERPRET"] = "1"  # the kernel process inherits it: recorded outputs are CPU outputs
     client = NotebookClient(notebook, timeout=1200, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})

@@ -1,0 +1,92 @@
+"""Notebook 07: every checker fails on the untouched stub and on a plausible wrong answer, passes on the reference
+solution, and the notebook run with the solutions in place of its stubs passes every check."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import exercises, solutions
+from helpers.display import source_of
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "07_exercises.ipynb"
+CHECKS = {name: getattr(exercises, f"check_{name}") for name in solutions.SOLUTIONS}
+# what the notebook's setup cell provides to the stubs
+PRELUDE = "import torch\nimport triton\nimport triton.language as tl\nfrom helpers import softmax_forward\n\n"
+
+WRONG = {  # a plausible mistake for each exercise
+    "column_softmax": lambda x: torch.softmax(x, dim=-1),  # along rows instead of columns
+    "temperature_softmax": lambda x, t: torch.softmax(x * t, dim=-1),  # multiplies by T
+    "log_softmax": lambda x: torch.log(torch.softmax(x, dim=-1)),  # underflows to -inf
+    "scaled_softmax": lambda x, s: torch.softmax(x, dim=-1) * s,  # scales the output, not the input
+    "predicted_plans": {name: (1, 1) for name in exercises.SHAPES},  # "one row per program" everywhere
+    "causal_softmax": lambda x: torch.softmax(x.tril(), dim=-1),  # zeros instead of -inf: the future keeps weight
+}
+
+
+def stub_sources():
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    stubs = {}
+    for cell in cells:
+        for tag in cell.get("metadata", {}).get("tags", []):
+            if tag.startswith("exercise:"):
+                stubs[tag.removeprefix("exercise:")] = "".join(cell["source"])
+    return stubs
+
+
+def test_every_exercise_has_a_stub_a_check_and_a_solution():
+    assert set(stub_sources()) == set(CHECKS) == set(WRONG)
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_checker_fails_on_the_untouched_stub(name, tmp_path, capsys):
+    # a module file, not exec: @triton.jit reads its function's source from the file
+    path = tmp_path / f"stub_{name}.py"
+    path.write_text(PRELUDE + stub_sources()[name])
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert CHECKS[name](getattr(module, name)) is False
+    assert capsys.readouterr().out.startswith(exercises.FAIL)
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_checker_fails_on_a_wrong_answer(name, capsys):
+    assert CHECKS[name](WRONG[name]) is False
+    out = capsys.readouterr().out
+    assert out.startswith(exercises.FAIL) and ("differ" in out or "predicted" in out)
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_checker_passes_on_the_solution(name, capsys):
+    assert CHECKS[name](getattr(solutions, name)) is True
+    assert exercises.FAIL not in capsys.readouterr().out
+
+
+def solution_source(name):
+    parts = []
+    for item in solutions.SOLUTIONS[name]:
+        parts.append(f"{item} = {getattr(solutions, item)!r}\n" if isinstance(item, str) else source_of(item))
+    return "\n\n".join(parts)
+
+
+def test_notebook_with_solutions_passes_every_check():
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    for cell in notebook.cells:
+        tags = [t for t in cell.get("metadata", {}).get("tags", []) if t.startswith("exercise:")]
+        if tags:
+            cell.source = solution_source(tags[0].removeprefix("exercise:"))
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    printed = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                      for out in cell.outputs)
+    assert exercises.FAIL not in printed
+    passes = [line for line in printed.splitlines() if line.startswith(exercises.PASS)]
+    assert {line.split(":")[0].removeprefix(exercises.PASS + " ") for line in passes} >= {
+        "column_softmax", "temperature_softmax", "log_softmax", "scaled_softmax", "causal_softmax",
+        "the course's softmax on every shape"}
