@@ -9,7 +9,7 @@ CPU_TORCH  := torch==2.13.0
 CPU_TRITON := triton>=3.7
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 
-.PHONY: help setup test test-python test-notebooks notebooks images lab bench lint clean
+.PHONY: help setup test test-python test-notebooks test-browser notebooks images lab bench lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -37,6 +37,9 @@ test-python:  ## pytest on tests/
 test-notebooks:  ## nbval on every notebook
 	$(PY) -m pytest $(NBVAL) notebooks -q
 
+test-browser:  ## run every notebook in JupyterLab in headless Chromium (Debian's chromium); screenshots in build/
+	$(PY) tests/run_in_browser.py
+
 notebooks:  ## re-execute every notebook in place (the committed outputs come from this, on CPU)
 	$(PY) -m helpers.notebooks notebooks/*.ipynb
 
@@ -53,4 +56,4 @@ lint:  ## ruff on helpers, tests and notebooks
 	$(PY) -m ruff check .
 
 clean:  ## remove the virtual environment and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
