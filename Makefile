@@ -49,8 +49,9 @@ images:  ## regenerate every figure in images/
 lab:  ## open the course in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks
 
-bench:  ## GPU benchmark sweep: writes results/<gpu>.csv and plots in images/
+bench:  ## GPU benchmark sweep: writes results/<gpu>.csv, then redraws the plots in images/
 	$(PY) -m helpers.bench
+	$(PY) -m helpers.figures
 
 lint:  ## ruff on helpers, tests and notebooks
 	$(PY) -m ruff check .
