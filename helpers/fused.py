@@ -9,8 +9,10 @@ Two shapes of kernel, both persistent (a grid sized to fill the GPU once, each p
   piece of x stays in registers between the two halves, so x is read once.
 
 The programs of a row must wait for each other. Each writes its partial as one 64-bit word into a slot that starts
-EMPTY, and on a GPU (``PHASE`` 2) readers poll the slots until none is EMPTY. A wait is safe only when every program
-of the grid is resident at once, so the grid never exceeds what the GPU holds (``resident_programs``). Triton's
+EMPTY, and on a GPU (``PHASE`` 2) readers poll the slots until none is EMPTY. A wait must never be for a program the GPU
+has not started: programs take their place in a row by the order they start (a ticket from one atomic counter), not by
+program id, so a row's programs are always started ahead of anything that waits for them, and the grid is sized to
+what the GPU holds at once (``resident_programs``) so that all of them run together. Triton's
 interpreter runs programs one after another, where a wait would never end, so there the same kernel runs as two
 launches: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes (re-reading x). fp64 partials do not
 fit a 64-bit word; fp64 rows too long for a tile take notebook 05's looped kernels.
@@ -27,7 +29,7 @@ import triton.language as tl
 
 from . import kernels
 from .device import INTERPRET
-from .kernels import upcast
+from .kernels import launch, upcast
 
 # PHASE of a split kernel: partials only, merge-and-finish only, or both in one launch with a wait between.
 STATISTICS, FINISH, FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -86,20 +88,28 @@ def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid):
 
 
 @triton.jit
+def take_ticket(counter_ptr):
+    """This program's place, 0 to num_programs - 1, in the order programs start. The counter starts at EMPTY (-1); a
+    second launch over the same counter (the interpreter's FINISH phase) counts on and takes the same places again."""
+    return (tl.atomic_add(counter_ptr, 1) + 1) % tl.num_programs(0)
+
+
+@triton.jit
 def softmax_split_kernel(
     y_ptr, x_ptr, part_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Forward for long rows: SEGMENTS consecutive programs share each row, one BLOCK_N piece each, and merge their
-    (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per piece, EMPTY until written. Groups of
-    SEGMENTS programs walk the rows grid-stride.
+    (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per piece, EMPTY until written, and one ticket
+    counter after the last row's. Groups of SEGMENTS programs walk the rows grid-stride.
 
     Each piece keeps e = exp(x - m_piece) in registers, so finishing is one multiply by exp(m_piece - m) / d. In one
     launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had a whole
     iteration to arrive: the wait hides behind the loads of the next row.
     """
-    segment = tl.program_id(0) % SEGMENTS
-    group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    program = take_ticket(part_ptr + n_rows * SEGMENTS)
+    segment = program % SEGMENTS
+    group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
     e_prev = tl.zeros((BLOCK_N,), tl.float32)
@@ -156,8 +166,9 @@ def softmax_backward_split_kernel(
 ):
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
     with a 0 beside it, so a written slot is never EMPTY), with the same one-row-behind pipeline as the forward."""
-    segment = tl.program_id(0) % SEGMENTS
-    group, n_groups = tl.program_id(0) // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    program = take_ticket(part_ptr + n_rows * SEGMENTS)
+    segment = program % SEGMENTS
+    group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
     y_prev = tl.zeros((BLOCK_N,), tl.float32)
@@ -250,10 +261,13 @@ def _grid_size(kernel, args, constexprs, num_warps: int, work_items: int, group:
         return work_items
     if INTERPRET:
         return group * min(work_items, CPU_PROGRAMS)
+    # Compiled for the dtypes alone (no data pointers: under torch.compile the tensors are FakeTensors), with the
+    # integers' specialisations (== 1, multiple of 16) kept: a unit column stride changes the code the most.
+    signature = [a.dtype if isinstance(a, torch.Tensor) else int(a) for a in args]
     key = (kernel.fn.__name__, num_warps, *sorted(constexprs.items()),
-           *((a.dtype,) if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0) for a in args))  # specialisations
+           *(a if isinstance(a, torch.dtype) else (a == 1, a % 16 == 0) for a in signature))
     if key not in _resident_cache:
-        compiled = kernel.warmup(*args, **constexprs, num_warps=num_warps, grid=(1,))
+        compiled = kernel.warmup(*signature, **constexprs, num_warps=num_warps, grid=(1,))
         _resident_cache[key] = resident_programs(compiled, num_warps)
     return group * max(1, min(work_items, _resident_cache[key] // group))
 
@@ -268,12 +282,11 @@ def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -
         args = (y, x, *strides)
         grid = _grid_size(softmax_tile_kernel, args, constexprs, plan.num_warps, triton.cdiv(n_rows, plan.rows), 1,
                           plan.persistent or INTERPRET)
-        softmax_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
+        launch(softmax_tile_kernel, (grid,), *args, **constexprs, num_warps=plan.num_warps)
     elif x.dtype == torch.float64:  # fp64 partials do not fit a 64-bit word: notebook 05's looped kernel
         kernels.launch_forward(x, y, kernels.softmax_online_kernel)
     else:
-        parts = torch.full((n_rows, plan.segments), EMPTY.value, dtype=torch.int64, device=x.device)
-        _launch_split(softmax_split_kernel, (y, x, parts, *strides), plan, n_rows)
+        _launch_split(softmax_split_kernel, (y, x, _partials(n_rows, plan, x.device), *strides), plan, n_rows)
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
@@ -286,12 +299,17 @@ def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: P
         args = (dx, y, dy, *strides)
         grid = _grid_size(softmax_backward_tile_kernel, args, constexprs, plan.num_warps,
                           triton.cdiv(n_rows, plan.rows), 1, plan.persistent or INTERPRET)
-        softmax_backward_tile_kernel[(grid,)](*args, **constexprs, num_warps=plan.num_warps)
+        launch(softmax_backward_tile_kernel, (grid,), *args, **constexprs, num_warps=plan.num_warps)
     elif y.dtype == torch.float64 or dy.dtype == torch.float64:
         kernels.launch_backward(y, dy, dx, kernels.softmax_backward_looped_kernel)
     else:
-        parts = torch.full((n_rows, plan.segments), EMPTY.value, dtype=torch.int64, device=y.device)
-        _launch_split(softmax_backward_split_kernel, (dx, y, dy, parts, *strides), plan, n_rows)
+        _launch_split(softmax_backward_split_kernel, (dx, y, dy, _partials(n_rows, plan, y.device), *strides), plan,
+                      n_rows)
+
+
+def _partials(n_rows: int, plan: Plan, device: torch.device) -> torch.Tensor:
+    """A split's exchange buffer: ``segments`` EMPTY slots per row, then the ticket counter (also EMPTY, -1)."""
+    return torch.full((n_rows * plan.segments + 1,), EMPTY.value, dtype=torch.int64, device=device)
 
 
 def _launch_split(kernel, args, plan: Plan, n_rows: int) -> None:
@@ -299,4 +317,4 @@ def _launch_split(kernel, args, plan: Plan, n_rows: int) -> None:
     phases = (STATISTICS, FINISH) if INTERPRET else (FUSED,)
     grid = _grid_size(kernel, args, dict(constexprs, PHASE=phases[-1]), plan.num_warps, n_rows, plan.segments)
     for phase in phases:
-        kernel[(grid,)](*args, **constexprs, PHASE=phase, num_warps=plan.num_warps)
+        launch(kernel, (grid,), *args, **constexprs, PHASE=phase, num_warps=plan.num_warps)

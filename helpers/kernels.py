@@ -11,10 +11,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
+
+from .device import INTERPRET
 
 # Rows up to this many elements are held in one block by one program; longer rows loop over LOOP_BLOCK_SIZE chunks.
 ROW_BLOCK_LIMIT = 8192
 LOOP_BLOCK_SIZE = 2048
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
+    """``kernel[grid](*args, **options)``, in a form that torch.compile and torch.library can trace (notebook 07).
+
+    Real tensors launch directly. Traced tensors (FakeTensors that carry only shapes, FunctionalTensors) launch through
+    ``torch.library.wrap_triton``, which records the kernel call in the graph. Triton's interpreter cannot be traced: a
+    traced tensor there has no data to run on, so nothing is launched (helpers.ops makes the op opaque on CPU).
+    """
+    if all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor)):
+        kernel[grid](*args, **options)
+    elif not INTERPRET:
+        wrap_triton(kernel)[grid](*args, **options)
 
 
 @triton.jit
@@ -166,7 +182,8 @@ def launch_graph_backward(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -
     block = triton.next_power_of_2(n_cols)
     if block > ROW_BLOCK_LIMIT:
         raise ValueError(f"the graph backward keeps a whole row in one block: N = {n_cols} is over {ROW_BLOCK_LIMIT}")
-    softmax_graph_backward_kernel[(n_rows,)](
+    launch(
+        softmax_graph_backward_kernel, (n_rows,),
         dx, x, dy, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_cols,
         BLOCK_SIZE=block, num_warps=num_warps_for(block),
     )
@@ -195,8 +212,9 @@ def launch_forward(x: torch.Tensor, y: torch.Tensor, kernel=None) -> None:
         fits = triton.next_power_of_2(n_cols) <= ROW_BLOCK_LIMIT
         kernel = softmax_kernel if fits else softmax_online_kernel
     block = _block_for(kernel, n_cols)
-    kernel[(n_rows,)](
-        y, x, x.stride(0), x.stride(1), y.stride(0), n_cols, BLOCK_SIZE=block, num_warps=num_warps_for(block)
+    launch(
+        kernel, (n_rows,),
+        y, x, x.stride(0), x.stride(1), y.stride(0), n_cols, BLOCK_SIZE=block, num_warps=num_warps_for(block),
     )
 
 
@@ -207,7 +225,8 @@ def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, kernel=
         fits = triton.next_power_of_2(n_cols) <= ROW_BLOCK_LIMIT
         kernel = softmax_backward_kernel if fits else softmax_backward_looped_kernel
     block = _block_for(kernel, n_cols)
-    kernel[(n_rows,)](
+    launch(
+        kernel, (n_rows,),
         dx, y, dy, y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_cols,
         BLOCK_SIZE=block, num_warps=num_warps_for(block),
     )

@@ -50,13 +50,23 @@ def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty((n_rows, n_cols), dtype=like.dtype, device=like.device)
 
 
-def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``y = softmax(x, dim)`` by the fused Triton forward kernels (notebook 06), as ``torch.softmax`` computes it.
+# The operators. On a GPU they are ``torch.library.triton_op``s: torch.compile sees through them to the kernel launches
+# (``kernels.launch`` wraps them with ``wrap_triton``) and schedules those like its own kernels. Triton's interpreter
+# cannot be traced, so on CPU they are opaque ``custom_op``s: torch.compile calls them as a black box. Either way the
+# function itself works out the output's shape and strides for FakeTensors, without launching anything.
+def _operator(name: str):
+    def register(fn):
+        if INTERPRET:
+            op = torch.library.custom_op(name, fn, mutates_args=())
+            op.register_fake(fn)
+            return op
+        return torch.library.triton_op(name, fn, mutates_args=())
 
-    fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64.
-    """
-    _check_tensor("x", x)
-    dim = _dim_index(dim, x.ndim)
+    return register
+
+
+@_operator("softmax_course::softmax")
+def _softmax_op(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.numel() == 0:
         return torch.empty_like(x)
     x_rows = _rows(x, dim)
@@ -65,20 +75,54 @@ def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _unrows(y_rows, x, dim)
 
 
-def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``,
-    by the fused Triton backward kernels (notebook 06)."""
-    _check_tensor("y", y)
-    _check_tensor("dy", dy)
-    if y.shape != dy.shape:
-        raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
-    dim = _dim_index(dim, y.ndim)
+@_operator("softmax_course::softmax_backward")
+def _softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     if y.numel() == 0:
         return torch.empty_like(y)
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y)
     fused.launch_backward(y_rows, dy_rows, dx_rows)
     return _unrows(dx_rows, y, dim)
+
+
+def _save_output(ctx, inputs: tuple[torch.Tensor, int], output: torch.Tensor) -> None:
+    ctx.save_for_backward(output)
+    ctx.dim = inputs[1]
+
+
+def _softmax_op_backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+    (y,) = ctx.saved_tensors
+    return _softmax_backward_op(y, dy, ctx.dim), None
+
+
+# The Jacobian-free backward (notebook 04), from the saved output y
+torch.library.register_autograd("softmax_course::softmax", _softmax_op_backward, setup_context=_save_output)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device, and a PyTorch operator
+    (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 07).
+
+    fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64. Its backward is
+    ``softmax_backward`` of the saved output.
+    """
+    _check_tensor("x", x)
+    return _softmax_op(x, _dim_index(dim, x.ndim))
+
+
+def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``y = softmax(x, dim)`` by the fused Triton forward kernels (notebook 06): the same operator as ``softmax``."""
+    return softmax(x, dim)
+
+
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``,
+    by the fused Triton backward kernels (notebook 06); ``torch.ops.softmax_course.softmax_backward``."""
+    _check_tensor("y", y)
+    _check_tensor("dy", dy)
+    if y.shape != dy.shape:
+        raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
+    return _softmax_backward_op(y, dy, _dim_index(dim, y.ndim))
 
 
 class Softmax(torch.autograd.Function):
@@ -123,10 +167,3 @@ def graph_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax whose backward walks the computational graph (notebook 03); ``softmax`` is the one to use."""
     _check_tensor("x", x)
     return GraphSoftmax.apply(x, _dim_index(dim, x.ndim))
-
-
-def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device."""
-    _check_tensor("x", x)
-    _dim_index(dim, x.ndim)
-    return Softmax.apply(x, dim)
