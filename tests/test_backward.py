@@ -5,6 +5,13 @@ import torch
 from conftest import DTYPES, ODD_SHAPE, randn, torch_backward
 
 import helpers
+from helpers import ops
+
+# helpers.softmax (the registered operator, notebook 07) and notebook 04's torch.autograd.Function around the same ops
+AUTOGRAD_SOFTMAXES = [
+    pytest.param(helpers.softmax, id="operator"),
+    pytest.param(lambda x, dim=-1: ops.Softmax.apply(x, dim), id="autograd.Function"),
+]
 
 # dx is stored in y's dtype: one rounding of a value of order max|dy| * y.
 BACKWARD_TOLERANCE = {
@@ -60,13 +67,14 @@ def test_strided_grad_outputs(make_dy):
     check_backward(y, make_dy(y.shape))
 
 
+@pytest.mark.parametrize("softmax", AUTOGRAD_SOFTMAXES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [0, 1, -1])
-def test_autograd_matches_torch(dtype, dim):
+def test_autograd_matches_torch(softmax, dtype, dim):
     x = randn(6, 5, 29, dtype=dtype).requires_grad_()
     x_torch = x.detach().clone().requires_grad_()
     dy = randn(6, 5, 29, dtype=dtype, scale=1.0)
-    y = helpers.softmax(x, dim)
+    y = softmax(x, dim)
     y_torch = torch.softmax(x_torch, dim)
     (y * dy).sum().backward()
     (y_torch * dy).sum().backward()
@@ -88,10 +96,11 @@ def test_indexing_passes_strided_grads():
     torch.testing.assert_close(x.grad, x_torch.grad)
 
 
+@pytest.mark.parametrize("softmax", AUTOGRAD_SOFTMAXES)
 @pytest.mark.parametrize("shape, dim", [((4, 9), -1), ((4, 9), 0), ((3, 2, 5), 1)])
-def test_gradcheck(shape, dim):
+def test_gradcheck(softmax, shape, dim):
     x = randn(*shape, dtype=torch.float64, scale=1.0).requires_grad_()
-    assert torch.autograd.gradcheck(lambda t: helpers.softmax(t, dim), (x,))
+    assert torch.autograd.gradcheck(lambda t: softmax(t, dim), (x,))
 
 
 def test_gradcheck_looped(looped):

@@ -1,0 +1,99 @@
+"""helpers.softmax as a PyTorch operator (notebook 07): torch.library.opcheck, torch.compile, and a model that trains.
+
+On a GPU the ops are triton_ops that torch.compile traces into; under Triton's interpreter they are opaque custom_ops
+(the interpreter cannot be traced), so there torch.compile calls them whole and the tests say so.
+"""
+
+import pytest
+import torch
+from conftest import ON_GPU, randn
+
+import helpers
+from helpers import model
+
+FORWARD, BACKWARD = torch.ops.softmax_course.softmax.default, torch.ops.softmax_course.softmax_backward.default
+
+
+def forward_cases():
+    odd = randn(5, 3, 37, dtype=torch.float64)
+    return [
+        (randn(7, 33), -1),
+        (randn(7, 33, dtype=torch.bfloat16), 0),
+        (odd, 1),
+        (odd.transpose(0, 2), 2),  # non-contiguous
+        (randn(0, 9), -1),  # empty
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(forward_cases())))
+def test_opcheck_forward(case):
+    x, dim = forward_cases()[case]
+    results = torch.library.opcheck(FORWARD, (x.requires_grad_(), dim))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+@pytest.mark.parametrize("case", range(len(forward_cases())))
+def test_opcheck_backward(case):
+    x, dim = forward_cases()[case]
+    y = torch.softmax(x.float(), dim).to(x.dtype)
+    dy = randn(*x.shape, dtype=x.dtype).expand_as(y)  # the expanded gradients autograd passes work too
+    results = torch.library.opcheck(BACKWARD, (y, dy, dim))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_opcheck_long_rows(looped):
+    """The split kernels (rows cut into pieces with a ticket counter) through the op, fake tensors included."""
+    x = randn(6, 100)
+    assert helpers.fused.plan_for(100, "forward").segments > 1
+    assert set(torch.library.opcheck(FORWARD, (x, -1)).values()) == {"SUCCESS"}
+    y = torch.softmax(x, -1)
+    assert set(torch.library.opcheck(BACKWARD, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
+
+
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return helpers.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, -1)
+
+
+def test_no_graph_break():
+    q, k = randn(2, 3, 40, 16), randn(2, 3, 40, 16)
+    explanation = torch._dynamo.explain(attention_probabilities)(q, k)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    assert "softmax_course.softmax" in explanation.graphs[0].code
+
+
+def compiled_against_eager(backend: str) -> None:
+    torch._dynamo.reset()
+    q, k = randn(2, 3, 40, 16).requires_grad_(), randn(2, 3, 40, 16)
+    dp = randn(2, 3, 40, 40)
+    expected = attention_probabilities(q, k)
+    (expected_dq,) = torch.autograd.grad(expected, q, dp)
+    p = torch.compile(attention_probabilities, backend=backend, fullgraph=True)(q, k)
+    (dq,) = torch.autograd.grad(p, q, dp)
+    torch.testing.assert_close(p, expected)
+    torch.testing.assert_close(dq, expected_dq)
+
+
+def test_compiled_aot_eager():
+    """AOTAutograd traces forward and backward together and runs the result eagerly."""
+    compiled_against_eager("aot_eager")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor compiles the Triton kernels it traces for a GPU; Triton's "
+                    "interpreter cannot be traced, so on CPU the op is opaque and Inductor would only call it "
+                    "(test_compiled_aot_eager covers that path)")
+def test_compiled_inductor_traces_the_kernels():
+    from torch._inductor.utils import run_and_get_code
+
+    compiled_against_eager("inductor")
+    torch._dynamo.reset()
+    q, k = randn(2, 3, 40, 16), randn(2, 3, 40, 16)
+    _, (code, *_) = run_and_get_code(torch.compile(attention_probabilities), q, k)
+    assert "softmax_tile_kernel" in code  # Inductor launches our kernel itself: the op is not a black box
+
+
+def test_model_trains_like_torch_softmax():
+    config = model.Config(context=16, width=32, heads=2, layers=1, batch=4)
+    expected = model.train(config, torch.softmax, 12, helpers.DEVICE)
+    losses = model.train(config, helpers.softmax, 12, helpers.DEVICE)
+    assert losses[-1] < 0.9 * losses[0]  # it learns
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
