@@ -6,7 +6,8 @@ which must happen before triton is first imported.
 Public API:
     DEVICE, INTERPRET        where kernels run (a torch.device) and whether that is Triton's CPU interpreter
     sized(gpu, cpu), ODD_SHAPE   sizes for this device: real on a GPU, small under the interpreter
-    softmax(x, dim=-1)       autograd-aware softmax (Triton forward, Jacobian-free Triton backward)
+    softmax(x, dim=-1)       autograd-aware softmax (Triton forward, Jacobian-free Triton backward), registered as
+                             the operator torch.ops.softmax_course.softmax (notebook 07)
     softmax_forward(x, dim)  y = softmax(x, dim)
     softmax_backward(y, dy, dim)  dx from the forward output y and the incoming gradient dy
     graph_softmax(x, dim)    notebook 03's softmax, whose backward recomputes the forward and walks its graph
@@ -14,6 +15,7 @@ Public API:
     kernels                  the teaching kernels of notebooks 01-05 and their launchers
     fused                    notebook 06's kernels at the memory limit, which softmax_forward/backward use
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
+    model                    notebook 07's tiny transformer, trained with either softmax
 """
 
 from . import device, fused, kernels, reference  # noqa: E402  (after device: triton is imported here)

@@ -54,19 +54,17 @@ def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:
 # (``kernels.launch`` wraps them with ``wrap_triton``) and schedules those like its own kernels. Triton's interpreter
 # cannot be traced, so on CPU they are opaque ``custom_op``s: torch.compile calls them as a black box. Either way the
 # function itself works out the output's shape and strides for FakeTensors, without launching anything.
-def _operator(name: str):
-    def register(fn):
-        if INTERPRET:
-            op = torch.library.custom_op(name, fn, mutates_args=())
-            op.register_fake(fn)
-            return op
-        return torch.library.triton_op(name, fn, mutates_args=())
-
-    return register
+def _operator(name: str, fn):
+    """Register ``fn`` (PyTorch code and kernel launches, no input written) as the operator ``name``."""
+    if INTERPRET:
+        op = torch.library.custom_op(name, fn, mutates_args=())
+        op.register_fake(fn)
+        return op
+    return torch.library.triton_op(name, fn, mutates_args=())
 
 
-@_operator("softmax_course::softmax")
-def _softmax_op(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The body of ``softmax_course::softmax``: rows in, the fused forward launch, rows out."""
     if x.numel() == 0:
         return torch.empty_like(x)
     x_rows = _rows(x, dim)
@@ -75,14 +73,18 @@ def _softmax_op(x: torch.Tensor, dim: int) -> torch.Tensor:
     return _unrows(y_rows, x, dim)
 
 
-@_operator("softmax_course::softmax_backward")
-def _softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    """The body of ``softmax_course::softmax_backward``."""
     if y.numel() == 0:
         return torch.empty_like(y)
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y)
     fused.launch_backward(y_rows, dy_rows, dx_rows)
     return _unrows(dx_rows, y, dim)
+
+
+_softmax_op = _operator("softmax_course::softmax", _forward)
+_softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 
 def _save_output(ctx, inputs: tuple[torch.Tensor, int], output: torch.Tensor) -> None:
