@@ -221,7 +221,11 @@ SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
 
 
 def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
-    """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``."""
+    """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``.
+
+    The shape is compiled into the kernel, so a symbolic row length (torch.compile's dynamic shapes) is made concrete
+    here: the compiled graph is then specialised to it."""
+    n_cols = int(n_cols)
     block = triton.next_power_of_2(n_cols)
     max_tile = (MAX_TILE_ROW_2_BYTES if element_size == 2 else MAX_TILE_ROW)[phase]
     if block <= max_tile:

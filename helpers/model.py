@@ -95,7 +95,7 @@ def train(config: Config, softmax: Softmax, steps: int, device: torch.device, co
     AdamW steps; the loss of every step."""
     torch.manual_seed(seed)
     model = TinyTransformer(config, softmax).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     forward = torch.compile(model) if compile else model  # AOTAutograd compiles the backward with it
     losses = []
