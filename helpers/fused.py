@@ -91,7 +91,8 @@ def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid):
 def take_ticket(counter_ptr):
     """This program's place, 0 to num_programs - 1, in the order programs start. The counter starts at EMPTY (-1); a
     second launch over the same counter (the interpreter's FINISH phase) counts on and takes the same places again."""
-    return (tl.atomic_add(counter_ptr, 1) + 1) % tl.num_programs(0)
+    ticket = tl.atomic_add(counter_ptr, 1) + 1  # 64-bit, like the counter
+    return (ticket % tl.num_programs(0)).to(tl.int32)  # 32-bit like a program id: 64-bit index math costs registers
 
 
 @triton.jit

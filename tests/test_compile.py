@@ -1,5 +1,5 @@
 """Every Triton kernel in helpers (teaching and fused) compiles for a free-Colab T4 (sm_75) and an H100 (sm_90),
-with no GPU present.
+with no GPU present, and the split kernels stay within the registers their occupancy was tuned for.
 
 The compilation runs in a subprocess with the interpreter off (SOFTMAX_INTERPRET=0), since an interpreted kernel
 cannot be compiled.
@@ -47,3 +47,45 @@ def test_kernels_compile(arch, dtype):
     assert out.returncode == 0, out.stderr[-3000:]
     compiled = out.stdout.split()
     assert "softmax_kernel" in compiled and "softmax_split_kernel" in compiled
+
+
+SPLIT_REGISTERS = r'''
+import os, subprocess, sys, tempfile
+import helpers, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+fused = helpers.fused
+cases = [(fused.softmax_split_kernel, "bf16", 2), (fused.softmax_split_kernel, "fp32", 4),
+         (fused.softmax_backward_split_kernel, "bf16", 4)]
+for kernel, dtype, warps in cases:
+    signature, constexprs = {}, dict(SEGMENTS=25, SEGMENTS_POW2=32, BLOCK_N=fused.SEGMENT_ELEMENTS, PHASE=fused.FUSED)
+    for param in kernel.params:
+        if param.name in constexprs:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("col_stride"):  # contiguous rows, as launched
+            signature[param.name], constexprs[param.name] = "constexpr", 1
+        else:
+            signature[param.name] = ("*i64" if param.name == "part_ptr" else f"*{dtype}") if param.name.endswith(
+                "_ptr") else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
+    registers = int(usage.stdout.split("REG:")[1].split()[0])
+    print(kernel.fn.__name__, dtype, warps, registers)
+'''
+
+
+def test_split_kernels_registers():
+    """At most 128 registers a thread, so 8 two-warp programs (4 four-warp ones) fit an SM: the split kernels' speed
+    rests on that occupancy. (A 64-bit program index once pushed the 16-bit forward past 200.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(SOFTMAX_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", SPLIT_REGISTERS], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    usage = [line.split() for line in out.stdout.splitlines()]
+    assert len(usage) == 3 and all(int(registers) <= 128 for *_, registers in usage), out.stdout
