@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-Softmax = Callable[[torch.Tensor, int], torch.Tensor]
+SoftmaxFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 # The training text: the course's subject, a few times over, so a small model can learn it in a few hundred steps.
 TEXT = (
@@ -36,7 +36,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head attention whose probabilities come from ``softmax(scores, -1)``: rows of ``context`` scores, the
     future masked to -inf, so the first token's row has a single finite score."""
 
-    def __init__(self, config: Config, softmax: Softmax):
+    def __init__(self, config: Config, softmax: SoftmaxFn):
         super().__init__()
         self.heads, self.softmax = config.heads, softmax
         self.qkv = nn.Linear(config.width, 3 * config.width)
@@ -54,7 +54,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config, softmax: Softmax):
+    def __init__(self, config: Config, softmax: SoftmaxFn):
         super().__init__()
         self.attention_norm, self.mlp_norm = nn.LayerNorm(config.width), nn.LayerNorm(config.width)
         self.attention = CausalSelfAttention(config, softmax)
@@ -67,7 +67,7 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self, config: Config, softmax: Softmax):
+    def __init__(self, config: Config, softmax: SoftmaxFn):
         super().__init__()
         self.token = nn.Embedding(len(VOCABULARY), config.width)
         self.position = nn.Embedding(config.context, config.width)
@@ -89,7 +89,7 @@ def batches(config: Config, steps: int, device: torch.device, seed: int = 0) -> 
     return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
 
 
-def train(config: Config, softmax: Softmax, steps: int, device: torch.device, compile: bool = False,
+def train(config: Config, softmax: SoftmaxFn, steps: int, device: torch.device, compile: bool = False,
           progress: Callable = iter, seed: int = 0) -> list[float]:
     """Train a fresh TinyTransformer (weights from ``seed``, so every softmax starts from the same model) for ``steps``
     AdamW steps; the loss of every step."""

@@ -87,20 +87,6 @@ _softmax_op = _operator("softmax_course::softmax", _forward)
 _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 
-def _save_output(ctx, inputs: tuple[torch.Tensor, int], output: torch.Tensor) -> None:
-    ctx.save_for_backward(output)
-    ctx.dim = inputs[1]
-
-
-def _softmax_op_backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
-    (y,) = ctx.saved_tensors
-    return _softmax_backward_op(y, dy, ctx.dim), None
-
-
-# The Jacobian-free backward (notebook 04), from the saved output y
-torch.library.register_autograd("softmax_course::softmax", _softmax_op_backward, setup_context=_save_output)
-
-
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device, and a PyTorch operator
     (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 07).
@@ -131,17 +117,23 @@ class Softmax(torch.autograd.Function):
     """Triton forward; the backward uses only the saved output ``y`` (no Jacobian, no re-read of ``x``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        y = softmax_forward(x, dim)
-        ctx.save_for_backward(y)
-        ctx.dim = dim
-        return y
+    def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
+        return softmax_forward(x, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[torch.Tensor, int], output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)  # y, not x
+        ctx.dim = inputs[1]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
         (y,) = ctx.saved_tensors
         return softmax_backward(y, dy, ctx.dim), None
+
+
+# The operator's autograd is this Function's: the same context and backward, registered once (notebook 07).
+torch.library.register_autograd("softmax_course::softmax", Softmax.backward, setup_context=Softmax.setup_context)
 
 
 class GraphSoftmax(torch.autograd.Function):
