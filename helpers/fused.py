@@ -20,6 +20,7 @@ fit a 64-bit word; fp64 rows too long for a tile take notebook 05's looped kerne
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -96,13 +97,45 @@ def take_ticket(counter_ptr):
 
 
 @triton.jit
+def row_window(row, row_stride, n_cols, valid, ALIGN: tl.constexpr):
+    """Where a split's pieces sit in a row, so that they load and store 16 bytes (ALIGN elements) at a time even when
+    rows start off 16-byte boundaries (an odd row length). Positions count from ``start``, the multiple of ALIGN at or
+    up to ``shift`` elements before the row; chunks of ALIGN positions are loaded whole up to ``load_end`` (the few
+    neighbouring elements this takes in are masked out after the load) and stored whole from ``store_start`` to
+    ``store_end``. The partial chunks at the two ends are stored element by element (``edge_positions``). With ALIGN = 1
+    the positions are the columns. A row past the end (not ``valid``) has nothing to load or store."""
+    shift = ((row * row_stride) % ALIGN).to(tl.int32)
+    start = row * row_stride - shift
+    load_end = tl.where(valid, (n_cols + shift + ALIGN - 1) // ALIGN * ALIGN, 0)
+    store_start = (shift + ALIGN - 1) // ALIGN * ALIGN
+    store_end = tl.where(valid, (n_cols + shift) // ALIGN * ALIGN, 0)
+    if ALIGN > 1:  # what the compiler cannot see for itself (a hint of 1 would hide what it can)
+        start, load_end = tl.multiple_of(start, ALIGN), tl.multiple_of(load_end, ALIGN)
+        store_start, store_end = tl.multiple_of(store_start, ALIGN), tl.multiple_of(store_end, ALIGN)
+    return start, shift, load_end, store_start, store_end
+
+
+@triton.jit
+def edge_positions(shift, store_start, store_end, n_cols, owner, ALIGN: tl.constexpr):
+    """The positions of a row's elements outside its whole chunks: the head chunk's (before ``store_start``) in the
+    first ALIGN slots, the tail chunk's (from ``store_end``) in the next ALIGN. Only the ``owner`` program has them."""
+    edge = tl.arange(0, 2 * ALIGN)
+    tail_start = tl.maximum(store_end, store_start)
+    positions = tl.where(edge < ALIGN, edge, tail_start + edge - ALIGN)
+    in_edge = tl.where(edge < ALIGN, positions < store_start, positions >= tail_start)
+    return positions, in_edge & (positions >= shift) & (positions < tl.where(owner, n_cols + shift, 0))
+
+
+@triton.jit
 def softmax_split_kernel(
     y_ptr, x_ptr, part_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
-    SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
+    SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+    PHASE: tl.constexpr,
 ):
     """Forward for long rows: SEGMENTS consecutive programs share each row, one BLOCK_N piece each, and merge their
     (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per piece, EMPTY until written, and one ticket
-    counter after the last row's. Groups of SEGMENTS programs walk the rows grid-stride.
+    counter after the last row's. Groups of SEGMENTS programs walk the rows grid-stride. ALIGN > 1 places the pieces
+    on 16-byte boundaries (``row_window``; it needs unit column strides and equal row strides).
 
     Each piece keeps e = exp(x - m_piece) in registers, so finishing is one multiply by exp(m_piece - m) / d. In one
     launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had a whole
@@ -111,34 +144,48 @@ def softmax_split_kernel(
     program = take_ticket(part_ptr + n_rows * SEGMENTS)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
-    cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
+    piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the row (columns when ALIGN = 1)
     parts = tl.arange(0, SEGMENTS_POW2)
     e_prev = tl.zeros((BLOCK_N,), tl.float32)
     m_prev = tl.max(e_prev, axis=0)
+    x_edge_prev = tl.zeros((2 * ALIGN,), tl.float32)
     # one iteration past the group's last row, so that in PHASE 2 the last row is finished too
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
         valid = row < n_rows
-        mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
-        x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=float("-inf")).to(tl.float32)
+        start, shift, load_end, store_start, store_end = row_window(row, x_row_stride, n_cols, valid, ALIGN)
+        x = tl.load(x_ptr + start + piece * x_col_stride, mask=piece < load_end, other=float("-inf")).to(tl.float32)
+        x_edge = tl.zeros((2 * ALIGN,), tl.float32)
+        if ALIGN > 1:
+            x = tl.where((piece >= shift) & (piece < n_cols + shift), x, float("-inf"))  # drop the neighbours' elements
+            # the row's first program also loads the elements of its partial end chunks, to store them one by one
+            edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, valid & (segment == 0), ALIGN)
+            x_edge = tl.load(x_ptr + start + edge, mask=in_edge).to(tl.float32)
         m = tl.max(x, axis=0)
         e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))  # a piece of all -inf: e = 0, partial (-inf, 0)
         if PHASE != FINISH:
             tl.store(part_ptr + row * SEGMENTS + segment, pack(m, tl.sum(e, axis=0)), mask=valid)
         if PHASE == FUSED:
             finish_row, finish_valid, e_finish, m_finish = row - n_groups, row >= group + n_groups, e_prev, m_prev
-            e_prev, m_prev = e, m
+            x_edge_finish = x_edge_prev
+            e_prev, m_prev, x_edge_prev = e, m, x_edge
         else:
-            finish_row, finish_valid, e_finish, m_finish = row, valid, e, m
+            finish_row, finish_valid, e_finish, m_finish, x_edge_finish = row, valid, e, m, x_edge
         if PHASE != STATISTICS:
-            m_parts, d_parts = unpack(read_partials(part_ptr, tl.maximum(finish_row, 0), parts, SEGMENTS,
-                                                    finish_valid))
+            finish_row = tl.maximum(finish_row, 0)
+            m_parts, d_parts = unpack(read_partials(part_ptr, finish_row, parts, SEGMENTS, finish_valid))
             m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
             m_row = tl.max(m_parts, axis=0)
             d_row = tl.sum(d_parts * tl.exp(m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)), axis=0)
             scale = tl.where(m_finish == float("-inf"), 0.0, tl.exp(m_finish - m_row)) / d_row
-            tl.store(y_ptr + finish_row * y_row_stride + cols, e_finish * scale,
-                     mask=cols < tl.where(finish_valid, n_cols, 0))
+            start, shift, _, store_start, store_end = row_window(finish_row, y_row_stride, n_cols, finish_valid, ALIGN)
+            if ALIGN > 1:
+                tl.store(y_ptr + start + piece, e_finish * scale, mask=(piece >= store_start) & (piece < store_end))
+                edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, finish_valid & (segment == 0),
+                                               ALIGN)
+                tl.store(y_ptr + start + edge, tl.exp(x_edge_finish - m_row) / d_row, mask=in_edge)
+            else:
+                tl.store(y_ptr + start + piece, e_finish * scale, mask=piece < store_end)
 
 
 @triton.jit
@@ -163,36 +210,59 @@ def softmax_backward_tile_kernel(
 @triton.jit
 def softmax_backward_split_kernel(
     dx_ptr, y_ptr, dy_ptr, part_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_rows,
-    n_cols, SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
+    n_cols, SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+    PHASE: tl.constexpr,
 ):
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
-    with a 0 beside it, so a written slot is never EMPTY), with the same one-row-behind pipeline as the forward."""
+    with a 0 beside it, so a written slot is never EMPTY), with the forward's row window and one-row-behind pipeline."""
     program = take_ticket(part_ptr + n_rows * SEGMENTS)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
-    cols = segment * BLOCK_N + tl.arange(0, BLOCK_N)
+    piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
     y_prev = tl.zeros((BLOCK_N,), tl.float32)
     dy_prev = y_prev
+    y_edge_prev = tl.zeros((2 * ALIGN,), tl.float32)
+    dy_edge_prev = y_edge_prev
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)
         valid = row < n_rows
-        mask = cols < tl.where(valid, n_cols, 0)  # a row past the end has no columns
-        y = tl.load(y_ptr + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
+        start, shift, load_end, store_start, store_end = row_window(row, y_row_stride, n_cols, valid, ALIGN)
+        dy_start, _, _, _, _ = row_window(row, dy_row_stride, n_cols, valid, ALIGN)  # == start when ALIGN > 1
+        y = tl.load(y_ptr + start + piece * y_col_stride, mask=piece < load_end, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + dy_start + piece * dy_col_stride, mask=piece < load_end, other=0.0).to(tl.float32)
+        y_edge = tl.zeros((2 * ALIGN,), tl.float32)
+        dy_edge = y_edge
+        if ALIGN > 1:  # as in the forward; 0 * inf would be NaN, so both y and dy drop the neighbours' elements
+            in_row = (piece >= shift) & (piece < n_cols + shift)
+            y, dy = tl.where(in_row, y, 0.0), tl.where(in_row, dy, 0.0)
+            edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, valid & (segment == 0), ALIGN)
+            y_edge = tl.load(y_ptr + start + edge, mask=in_edge).to(tl.float32)
+            dy_edge = tl.load(dy_ptr + start + edge, mask=in_edge).to(tl.float32)
         if PHASE != FINISH:
             dot_piece = tl.sum(y * dy, axis=0)
             tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece)), mask=valid)
         if PHASE == FUSED:
             finish_row, finish_valid, y_finish, dy_finish = row - n_groups, row >= group + n_groups, y_prev, dy_prev
-            y_prev, dy_prev = y, dy
+            y_edge_finish, dy_edge_finish = y_edge_prev, dy_edge_prev
+            y_prev, dy_prev, y_edge_prev, dy_edge_prev = y, dy, y_edge, dy_edge
         else:
             finish_row, finish_valid, y_finish, dy_finish = row, valid, y, dy
+            y_edge_finish, dy_edge_finish = y_edge, dy_edge
         if PHASE != STATISTICS:
-            dot_parts, _ = unpack(read_partials(part_ptr, tl.maximum(finish_row, 0), parts, SEGMENTS, finish_valid))
+            finish_row = tl.maximum(finish_row, 0)
+            dot_parts, _ = unpack(read_partials(part_ptr, finish_row, parts, SEGMENTS, finish_valid))
             dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
-            tl.store(dx_ptr + finish_row * dx_row_stride + cols, y_finish * (dy_finish - dot),
-                     mask=cols < tl.where(finish_valid, n_cols, 0))
+            start, shift, _, store_start, store_end = row_window(finish_row, dx_row_stride, n_cols, finish_valid,
+                                                                 ALIGN)
+            if ALIGN > 1:
+                tl.store(dx_ptr + start + piece, y_finish * (dy_finish - dot),
+                         mask=(piece >= store_start) & (piece < store_end))
+                edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, finish_valid & (segment == 0),
+                                               ALIGN)
+                tl.store(dx_ptr + start + edge, y_edge_finish * (dy_edge_finish - dot), mask=in_edge)
+            else:
+                tl.store(dx_ptr + start + piece, y_finish * (dy_finish - dot), mask=piece < store_end)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,19 +273,23 @@ def softmax_backward_split_kernel(
 class Plan:
     """How rows of one length are cut: ``segments`` programs per row (1: tile kernel) of ``block_n`` elements,
     ``rows`` rows per tile, ``num_warps`` warps per program, and whether a tile kernel runs a persistent grid (a split
-    always does: its programs must all be resident) or one program per tile."""
+    always does: its programs must all be resident) or one program per tile. A split places its pieces on 16-byte
+    boundaries when ``align`` > 1 (elements per 16 bytes) and the tensors' layout allows it."""
 
     rows: int
     block_n: int
     segments: int
     num_warps: int
     persistent: bool = False
+    align: int = 1
 
 
-# The shapes below are read off the tuning sweep (``python -m helpers.tune``, results/*-tuning.csv; notebook 06),
-# choosing shapes that are good everywhere over ones that are best at one row length and fall off a cliff at another.
+# The shapes below are read off the tuning sweep (``python -m helpers.tune``, results/*-tuning.csv; notebook 06) and
+# side-by-side timings on the H100 (notebook 06 quotes them), choosing shapes that are good everywhere over ones that
+# are best at one row length and fall off a cliff at another.
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
-ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16
+ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 ...
+WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: 0.93 of copy against 0.92 with 16 warps)
 MAX_TILE_ROW = {"forward": 32768, "backward": 16384}  # longer rows are split across programs (fp32, fp64)
 # fp16/bf16. At a forward row of 32768 the whole-row tile beats the split on the H100 (0.90 of copy against at most
 # 0.85, results/*h100*-tuning-32768-50257.csv), though not on the H200 (0.71 against 0.79): the H100 is the target.
@@ -233,32 +307,42 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     max_tile = (MAX_TILE_ROW_2_BYTES if element_size == 2 else MAX_TILE_ROW)[phase]
     if block <= max_tile:
         rows = max(1, TILE_ELEMENTS // block)
-        return Plan(rows, block, 1, max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD))))
-    segments = triton.cdiv(n_cols, SEGMENT_ELEMENTS)
+        warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
+        return Plan(rows, block, 1, warps)
+    # Rows of a length Triton cannot see is a multiple of 16 start off 16-byte boundaries; aligned pieces (a window up
+    # to ALIGN - 1 elements wider than the row, ``row_window``) load 16 bytes at a time again. At N = 50257 on the
+    # H100 that lifts the 16-bit backward from 0.80 to 0.89 of copy and fp32 by up to 0.02, but costs the 16-bit
+    # forward 0.02 (0.78 against 0.80), which keeps its one-element loads.
+    align = 16 // element_size if n_cols % 16 and (phase == "backward" or element_size > 2) else 1
+    segments = triton.cdiv(n_cols + align - 1, SEGMENT_ELEMENTS)
     # Forward pieces take 2 warps when 16-bit, and also in fp32 while a row has fewer than 32 pieces (fp32 N = 50257:
     # 0.91 of copy against 0.885 with 4 warps on the H100, 0.88 against 0.84 on the H200; from 32 pieces on, 4 warps
-    # win by 0.15-0.2 in fp32).
-    warps = 2 if phase == "forward" and (element_size == 2 or segments < 32) else 4
-    return Plan(1, SEGMENT_ELEMENTS, segments, warps, persistent=True)
+    # win by 0.15-0.2 in fp32). 16-bit backward pieces take 2 warps too (H100, N = 32768 to 262144: 0.94-0.96 against
+    # 0.90-0.94), except aligned ones, whose extra registers leave 2-warp programs too few per SM (0.83 against 0.89).
+    if phase == "forward":
+        warps = 2 if element_size == 2 or segments < 32 else 4
+    else:
+        warps = 2 if element_size == 2 and align == 1 else 4
+    return Plan(1, SEGMENT_ELEMENTS, segments, warps, persistent=True, align=align)
 
 
 @functools.cache
-def _device_limits(index: int) -> tuple[int, int, int, int]:
-    props = torch.cuda.get_device_properties(index)
-    regs = getattr(props, "regs_per_multiprocessor", 65536)
-    threads, shared = props.max_threads_per_multi_processor, props.shared_memory_per_multiprocessor
-    return props.multi_processor_count, regs, threads, shared
+def _cuda_driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def resident_programs(compiled, num_warps: int) -> int:
-    """How many programs of a compiled kernel the whole GPU holds at once (registers, threads, shared memory)."""
-    n_sm, regs_per_sm, threads_per_sm, smem_per_sm = _device_limits(torch.cuda.current_device())
-    compiled._init_handles()  # loads the binary, which fills in n_regs (as Triton's softmax tutorial does)
-    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # registers are handed out per warp, 256 at a time
-    by_regs = regs_per_sm // (regs_per_warp * num_warps)
-    by_threads = threads_per_sm // (32 * num_warps)
-    by_smem = smem_per_sm // compiled.metadata.shared if compiled.metadata.shared else by_threads
-    return n_sm * max(1, min(by_regs, by_threads, by_smem, 32))
+    """How many programs of a compiled kernel the whole GPU holds at once, as the CUDA driver's occupancy calculator
+    counts them from its registers, threads and shared memory (with their allocation granularities and the shared
+    memory each program reserves: a count of our own once came out one program per SM too high)."""
+    compiled._init_handles()  # loads the binary, which fills in the function handle
+    per_sm = ctypes.c_int()
+    status = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(per_sm), ctypes.c_void_p(compiled.function), ctypes.c_int(32 * num_warps),
+        ctypes.c_size_t(compiled.metadata.shared))
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count * per_sm.value
 
 
 CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every kernel's loop runs several times
@@ -297,7 +381,8 @@ def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -
     elif x.dtype == torch.float64:  # fp64 partials do not fit a 64-bit word: notebook 05's looped kernel
         kernels.launch_forward(x, y, kernels.softmax_online_kernel)
     else:
-        _launch_split(softmax_split_kernel, (y, x, _partials(n_rows, plan, x.device), *strides), plan, n_rows)
+        _launch_split(softmax_split_kernel, (y, x, _partials(n_rows, plan, x.device), *strides), plan, n_rows,
+                      _align(plan, x, y))
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
@@ -315,7 +400,7 @@ def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: P
         kernels.launch_backward(y, dy, dx, kernels.softmax_backward_looped_kernel)
     else:
         _launch_split(softmax_backward_split_kernel, (dx, y, dy, _partials(n_rows, plan, y.device), *strides), plan,
-                      n_rows)
+                      n_rows, _align(plan, y, dy, dx))
 
 
 def _partials(n_rows: int, plan: Plan, device: torch.device) -> torch.Tensor:
@@ -323,8 +408,19 @@ def _partials(n_rows: int, plan: Plan, device: torch.device) -> torch.Tensor:
     return torch.full((n_rows * plan.segments + 1,), EMPTY.value, dtype=torch.int64, device=device)
 
 
-def _launch_split(kernel, args, plan: Plan, n_rows: int) -> None:
-    constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n)
+def _align(plan: Plan, *tensors: torch.Tensor) -> int:
+    """A split's ALIGN: the plan's, when all the tensors have one element size, unit column strides, one row stride
+    (so one window fits every row of every tensor) and start on 16 bytes from their storage (allocations do), so that
+    a chunk loaded whole never reaches past the allocation; else 1."""
+    row_stride, size = tensors[0].stride(0), tensors[0].element_size()
+    fits = all(t.element_size() == size and t.stride(1) == 1 and t.stride(0) == row_stride
+               and t.storage_offset() * size % 16 == 0 for t in tensors)
+    return plan.align if fits else 1
+
+
+def _launch_split(kernel, args, plan: Plan, n_rows: int, align: int) -> None:
+    constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
+                      ALIGN=align)
     phases = (STATISTICS, FINISH) if INTERPRET else (FUSED,)
     grid = _grid_size(kernel, args, dict(constexprs, PHASE=phases[-1]), plan.num_warps, n_rows, plan.segments)
     for phase in phases:

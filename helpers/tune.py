@@ -18,16 +18,17 @@ from .device import DEVICE
 
 TILE_ELEMENTS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 SEGMENT_ELEMENTS = (2048, 4096, 8192, 16384)
-ELEMENTS_PER_THREAD = (4, 8, 16, 32)
+ELEMENTS_PER_THREAD = (4, 8, 16, 32, 64)
 N_VALUES = (256, 1024, 4096, 16384, 32768, 50257, 65536, 131072, 151936, 262144)
 
 
-def candidate_plans(n_cols: int) -> list[fused.Plan]:
+def candidate_plans(n_cols: int, element_size: int) -> list[fused.Plan]:
     block = triton.next_power_of_2(n_cols)
+    aligns = (1, 16 // element_size) if n_cols % 16 else (1,)  # rows off 16-byte boundaries: pieces aligned or not
     plans = set()
     for per_thread in ELEMENTS_PER_THREAD:
         def warps(elements, per_thread=per_thread):
-            return max(1, min(16, elements // (32 * per_thread)))
+            return max(1, min(32, elements // (32 * per_thread)))
 
         if block <= 32768:
             for tile in TILE_ELEMENTS:
@@ -36,9 +37,10 @@ def candidate_plans(n_cols: int) -> list[fused.Plan]:
                     plans.add(fused.Plan(rows, block, 1, warps(rows * block), persistent))
         if n_cols > 4096:
             for segment in SEGMENT_ELEMENTS:
-                if segment < block:
-                    plans.add(fused.Plan(1, segment, triton.cdiv(n_cols, segment), warps(segment), True))
-    return sorted(plans, key=lambda p: (p.segments, p.rows, p.block_n, p.num_warps, p.persistent))
+                for align in aligns if segment < block else ():
+                    segments = triton.cdiv(n_cols + align - 1, segment)
+                    plans.add(fused.Plan(1, segment, segments, warps(segment), True, align))
+    return sorted(plans, key=lambda p: (p.segments, p.rows, p.block_n, p.num_warps, p.persistent, p.align))
 
 
 def time_plan(phase: str, plan: fused.Plan, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> float:
@@ -61,8 +63,8 @@ def main() -> None:
     path = args.out or str(bench.results_path(gpu)).replace(".csv", "-tuning.csv")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["gpu", "phase", "dtype", "N", "rows", "block_n", "segments", "num_warps", "persistent", "ms",
-                         "fraction"])
+        writer.writerow(["gpu", "phase", "dtype", "N", "rows", "block_n", "segments", "num_warps", "persistent",
+                         "align", "ms", "fraction"])
         for dtype in (torch.float32, torch.bfloat16):
             for n in args.n:
                 m = max(args.total_elements // n, 1)
@@ -73,11 +75,12 @@ def main() -> None:
                 for phase in ("forward", "backward"):
                     n_bytes = bench.ELEMENTS_MOVED[phase] * m * n * x.element_size()
                     best = None
-                    for plan in candidate_plans(n):
+                    for plan in candidate_plans(n, x.element_size()):
                         ms = time_plan(phase, plan, x, y, dy)
                         fraction = bench.gbps(n_bytes, ms) / ceiling
                         writer.writerow([gpu, phase, str(dtype)[6:], n, plan.rows, plan.block_n, plan.segments,
-                                         plan.num_warps, int(plan.persistent), f"{ms:.5f}", f"{fraction:.3f}"])
+                                         plan.num_warps, int(plan.persistent), plan.align, f"{ms:.5f}",
+                                         f"{fraction:.3f}"])
                         best = max(best or (0, plan), (fraction, plan), key=lambda t: t[0])
                     default = fused.plan_for(n, phase, x.element_size())
                     print(f"{phase:8s} {str(dtype)[6:]:8s} N={n:6d} best {best[0]:.2f} {best[1]}  default {default}",

@@ -21,7 +21,7 @@ arch, dtype = int(sys.argv[1]), sys.argv[2]
 kernels = {name: obj for module in (helpers.kernels, helpers.fused) for name, obj in vars(module).items()
            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
 assert len(kernels) >= 9, sorted(kernels)
-CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "PHASE": helpers.fused.FUSED}  # others: block sizes
+CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "ALIGN": 4, "PHASE": helpers.fused.FUSED}  # others: blocks
 for name, kernel in sorted(kernels.items()):
     signature, constexprs = {}, {}
     for param in kernel.params:
@@ -49,8 +49,8 @@ def test_kernels_compile(arch, dtype):
     assert "softmax_kernel" in compiled and "softmax_split_kernel" in compiled
 
 
-SPLIT_REGISTERS = r'''
-import os, subprocess, sys, tempfile
+SPLIT_KERNELS = r"""
+import os, re, subprocess, sys, tempfile
 import helpers, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -60,32 +60,45 @@ fused = helpers.fused
 cases = [(fused.softmax_split_kernel, "bf16", 2), (fused.softmax_split_kernel, "fp32", 4),
          (fused.softmax_backward_split_kernel, "bf16", 4)]
 for kernel, dtype, warps in cases:
-    signature, constexprs = {}, dict(SEGMENTS=25, SEGMENTS_POW2=32, BLOCK_N=fused.SEGMENT_ELEMENTS, PHASE=fused.FUSED)
-    for param in kernel.params:
-        if param.name in constexprs:
-            signature[param.name] = "constexpr"
-        elif param.name.endswith("col_stride"):  # contiguous rows, as launched
-            signature[param.name], constexprs[param.name] = "constexpr", 1
-        else:
-            signature[param.name] = ("*i64" if param.name == "part_ptr" else f"*{dtype}") if param.name.endswith(
-                "_ptr") else "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
-    registers = int(usage.stdout.split("REG:")[1].split()[0])
-    print(kernel.fn.__name__, dtype, warps, registers)
-'''
+    for align in (1, 8 if dtype == "bf16" else 4):
+        # as launched on rows of 50257: contiguous, 16-byte aligned data pointers, an odd row stride
+        signature, attrs = {}, {}
+        constexprs = dict(SEGMENTS=25, SEGMENTS_POW2=32, BLOCK_N=fused.SEGMENT_ELEMENTS, PHASE=fused.FUSED, ALIGN=align)
+        for i, param in enumerate(kernel.params):
+            if param.name in constexprs:
+                signature[param.name] = "constexpr"
+            elif param.name.endswith("col_stride"):
+                signature[param.name], constexprs[param.name] = "constexpr", 1
+            elif param.name.endswith("_ptr"):
+                signature[param.name] = "*i64" if param.name == "part_ptr" else f"*{dtype}"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[param.name] = "i32"
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
+        registers = int(usage.stdout.split("REG:")[1].split()[0])
+        wide_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", compiled.asm["ptx"]))
+        print(kernel.fn.__name__, dtype, warps, align, registers, wide_loads)
+"""
 
 
-def test_split_kernels_registers():
-    """At most 128 registers a thread, so 8 two-warp programs (4 four-warp ones) fit an SM: the split kernels' speed
-    rests on that occupancy. (A 64-bit program index once pushed the 16-bit forward past 200.)"""
+def test_split_kernels_compile_to_wide_loads_within_registers():
+    """Rows of an odd length (50257) start off 16-byte boundaries. ALIGN > 1 cuts them so the pieces still load 16
+    bytes per instruction (ALIGN = 1: none do), and the aligned kernels stay within 128 registers a thread, so 8
+    two-warp programs (4 four-warp ones) fit an SM: the split kernels' speed rests on both. (A 64-bit program index
+    once pushed the 16-bit forward past 200 registers.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(SOFTMAX_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", SPLIT_REGISTERS], env=env, capture_output=True, text=True, timeout=600)
+    env.update(SOFTMAX_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    out = subprocess.run([sys.executable, "-c", SPLIT_KERNELS], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    usage = [line.split() for line in out.stdout.splitlines()]
-    assert len(usage) == 3 and all(int(registers) <= 128 for *_, registers in usage), out.stdout
+    compiled = [line.split() for line in out.stdout.splitlines()]
+    assert len(compiled) == 6, out.stdout
+    for _name, _dtype, _warps, align, registers, wide_loads in compiled:
+        if align == "1":
+            assert wide_loads == "0", out.stdout
+        else:
+            assert int(wide_loads) > 0 and int(registers) <= 128, out.stdout

@@ -1,0 +1,42 @@
+"""compute-sanitizer's memcheck over the fused kernels (GPU only): every kernel shape of the benchmark grid, forward and
+backward, 16- and 32-bit, contiguous and transposed rows, must access only memory it owns.
+
+A few rows per shape keep the run short; the shapes, not the row counts, decide which code runs."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ON_GPU
+
+SANITIZER = shutil.which("compute-sanitizer") or next(
+    (path for path in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(path)), None)
+
+ALL_SHAPES = r"""
+import torch
+import helpers
+from helpers import bench, reference
+
+for n in bench.GRID_N:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for transposed in (False, True):
+            x = torch.randn((n, 3) if transposed else (3, n), device="cuda").to(dtype) * 4
+            x = x.t() if transposed else x
+            y = helpers.softmax_forward(x)
+            dy = torch.randn_like(y)
+            dx = helpers.softmax_backward(y, dy)
+            torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
+            torch.testing.assert_close(dx.float(), reference.softmax_backward(y.float(), dy.float()), atol=1e-2,
+                                       rtol=2e-2)
+print("shapes checked:", len(bench.GRID_N) * 3 * 2)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU or SANITIZER is None, reason="needs a GPU and compute-sanitizer")
+def test_fused_kernels_memcheck_clean():
+    out = subprocess.run([SANITIZER, "--tool", "memcheck", "--error-exitcode", "99", sys.executable, "-c", ALL_SHAPES],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in out.stdout + out.stderr and "shapes checked: 60" in out.stdout, out.stdout
