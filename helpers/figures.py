@@ -9,9 +9,11 @@ from pathlib import Path
 
 import matplotlib
 
-from .bench import Result, load_results, load_tuning, select
+from .bench import RESULTS_DIR, Result, load_results, load_tuning, select
 
 IMAGES_DIR = Path(__file__).resolve().parent.parent / "images"
+# the H100 tuning run of the row lengths where shapes were close: 32768 (tile or split) and 50257 (aligned or not)
+ALIGNMENT_TUNING = RESULTS_DIR / "nvidia-h100-80gb-hbm3-tuning-32768-50257.csv"
 STYLE = {  # impl -> (label, colour, marker)
     "copy": ("copy (the limit)", "black", ""),
     "naive": ("eager PyTorch, one op per line", "tab:red", "v"),
@@ -178,6 +180,38 @@ def tuning_figure(rows: list[dict], dtype: str = "float32"):
     return fig
 
 
+def best_by_alignment(rows: list[dict], n: int = 50257) -> dict[tuple[str, str], dict[bool, float]]:
+    """From a tuning sweep: the best fraction of copy at row length ``n`` with pieces aligned to 16 bytes and without,
+    per (phase, dtype)."""
+    best: dict[tuple[str, str], dict[bool, float]] = {}
+    for r in rows:
+        if int(r["N"]) == n and r["segments"] != "1":
+            by_alignment = best.setdefault((r["phase"], r["dtype"]), {})
+            aligned = r.get("align", "1") != "1"
+            by_alignment[aligned] = max(by_alignment.get(aligned, 0.0), float(r["fraction"]))
+    return best
+
+
+def alignment_figure(rows: list[dict], n: int = 50257):
+    """Notebook 06: split kernels on rows of an odd length, pieces on 16-byte boundaries or not (best shape of each)."""
+    import matplotlib.pyplot as plt
+
+    best = best_by_alignment(rows, n)
+    cases = sorted(best)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for offset, aligned, label in ((-0.2, False, "one-element loads"), (0.2, True, "aligned pieces, 16-byte loads")):
+        ax.bar([i + offset for i in range(len(cases))], [best[c].get(aligned, 0.0) for c in cases], width=0.4,
+               label=label)
+    ax.set_xticks(range(len(cases)), [f"{phase}\n{dtype}" for phase, dtype in cases])
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("fraction of copy bandwidth")
+    ax.set_title(f"split kernels, N = {n}: best shape of each kind ({rows[0]['gpu']})")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 BANDWIDTH_FIGURES = {  # file name in images/ -> (phase, impls)
     "01_naive_vs_fused.png": ("forward", ["naive", "torch", "row"]),
     "04_backward.png": ("backward", ["torch", "row", "graph"]),
@@ -194,6 +228,7 @@ def main() -> None:
         figures[name] = bandwidth_figure(results, phase, impls)
     figures["06_against_peers.png"] = peers_figure(results)
     figures["06_tuning.png"] = tuning_figure(load_tuning())
+    figures["06_alignment.png"] = alignment_figure(load_tuning(ALIGNMENT_TUNING))
     for name, fig in figures.items():
         fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")
