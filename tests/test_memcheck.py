@@ -11,8 +11,8 @@ import sys
 import pytest
 from conftest import ON_GPU
 
-SANITIZER = shutil.which("compute-sanitizer") or next(
-    (path for path in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(path)), None)
+CUDA_SANITIZER = "/usr/local/cuda/bin/compute-sanitizer"
+SANITIZER = shutil.which("compute-sanitizer") or (CUDA_SANITIZER if os.path.exists(CUDA_SANITIZER) else None)
 
 ALL_SHAPES = r"""
 import torch
