@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
 
 
 def source_of(obj: object) -> str:
@@ -27,3 +32,25 @@ def kernel_operations(kernel: object, ops: tuple[str, ...] = ("exp", "max", "sum
     real source so a comparison stays true when the kernel changes."""
     source = source_of(kernel)
     return {op: source.count(f"tl.{op}(") for op in ops}
+
+
+def instruction_mix(kernel: object, signature: dict, constexprs: dict, num_warps: int = 1, arch: int = 90) -> Counter:
+    """The machine instructions (SASS opcodes, without modifiers) that a small self-contained kernel compiles to for
+    an NVIDIA GPU of compute capability ``arch``: a cross-compilation, so it runs without a GPU, interpreter on or not.
+    ``signature`` gives each argument's type ("*fp32", "fp32", "i32") and "constexpr" for those in ``constexprs``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(triton.runtime.JITFunction(getattr(kernel, "fn", kernel)), signature, constexprs)
+    # fusion off: every multiply-add shown is one the source asks for (tl.fma), whatever Triton's default
+    options = dict(num_warps=num_warps, enable_fp_fusion=False)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    # instruction lines look like "/*0070*/  @!P0 FMUL R4, R4, 0.5 ;": the opcode follows the address and predicate
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    return Counter(opcodes)

@@ -37,6 +37,7 @@ STATISTICS, FINISH, FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # A partial slot not written yet. Written slots hold two fp32 bit patterns; all ones is a negative NaN with a payload
 # that GPU arithmetic never produces (its NaNs are 0x7fffffff), so no real partial can look EMPTY.
 EMPTY = tl.constexpr(-1)
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(z) = exp2(z * LOG2E): tl.exp2 skips tl.exp's subnormal guard
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def softmax_tile_kernel(
         x = upcast(tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask,
                            other=float("-inf")))
         m = tl.max(x, axis=1)
-        e = tl.exp(x - m[:, None])
+        e = tl.exp2((x - m[:, None]) * LOG2E)  # exp(x - m) in three instructions, not six (notebook 06)
         d_inverse = 1.0 / tl.sum(e, axis=1)  # one division per row, then a multiply per element
         tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], e * d_inverse[:, None], mask=mask)
 
@@ -127,6 +128,33 @@ def edge_positions(shift, store_start, store_end, n_cols, owner, ALIGN: tl.const
 
 
 @triton.jit
+def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values, edge_values,
+                 ALIGN: tl.constexpr):
+    """Store one piece of a row where ``row_window`` places it: whole chunks of ALIGN positions, which never reach
+    into a neighbouring row, and, from the row's first program, the partial end chunks' ``edge_values`` one by one."""
+    start, shift, _, store_start, store_end = row_window(row, row_stride, n_cols, valid, ALIGN)
+    if ALIGN > 1:
+        tl.store(out_ptr + start + piece, values, mask=(piece >= store_start) & (piece < store_end))
+        edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, valid & (segment == 0), ALIGN)
+        tl.store(out_ptr + start + edge, edge_values, mask=in_edge)
+    else:
+        tl.store(out_ptr + start + piece, values, mask=piece < store_end)
+
+
+@triton.jit
+def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, e, m, x_edge,
+                         SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
+    """y for one piece of ``row``: merge the row's (m, d) partials, then rescale the piece's e = exp(x - m)."""
+    m_parts, d_parts = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid))
+    m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
+    m_row = tl.max(m_parts, axis=0)
+    d_row = tl.sum(d_parts * tl.exp2((m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)) * LOG2E), axis=0)
+    scale = tl.where(m == float("-inf"), 0.0, tl.exp2((m - m_row) * LOG2E)) / d_row
+    store_window(y_ptr, row, y_row_stride, n_cols, valid, segment, piece, e * scale,
+                 tl.exp2((x_edge - m_row) * LOG2E) / d_row, ALIGN)
+
+
+@triton.jit
 def softmax_split_kernel(
     y_ptr, x_ptr, part_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
@@ -139,7 +167,8 @@ def softmax_split_kernel(
 
     Each piece keeps e = exp(x - m_piece) in registers, so finishing is one multiply by exp(m_piece - m) / d. In one
     launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had a whole
-    iteration to arrive: the wait hides behind the loads of the next row.
+    iteration to arrive. (Finishing row r - 1 before publishing row r, to overlap it with row r's loads, measured far
+    slower: each program's partial then waits on its wait for the others, and the slack of one row is lost.)
     """
     program = take_ticket(part_ptr + n_rows * SEGMENTS)
     segment = program % SEGMENTS
@@ -158,34 +187,21 @@ def softmax_split_kernel(
         x_edge = tl.zeros((2 * ALIGN,), tl.float32)
         if ALIGN > 1:
             x = tl.where((piece >= shift) & (piece < n_cols + shift), x, float("-inf"))  # drop the neighbours' elements
-            # the row's first program also loads the elements of its partial end chunks, to store them one by one
+            # the row's first program also loads its partial end chunks, to store them one by one
             edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, valid & (segment == 0), ALIGN)
             x_edge = tl.load(x_ptr + start + edge, mask=in_edge).to(tl.float32)
         m = tl.max(x, axis=0)
-        e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))  # a piece of all -inf: e = 0, partial (-inf, 0)
+        e = tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * LOG2E)  # all -inf: e = 0, partial (-inf, 0)
         if PHASE != FINISH:
             tl.store(part_ptr + row * SEGMENTS + segment, pack(m, tl.sum(e, axis=0)), mask=valid)
         if PHASE == FUSED:
-            finish_row, finish_valid, e_finish, m_finish = row - n_groups, row >= group + n_groups, e_prev, m_prev
-            x_edge_finish = x_edge_prev
+            finish_forward_piece(y_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
+                                 y_row_stride, n_cols, segment, piece, parts, e_prev, m_prev, x_edge_prev,
+                                 SEGMENTS, ALIGN)
             e_prev, m_prev, x_edge_prev = e, m, x_edge
-        else:
-            finish_row, finish_valid, e_finish, m_finish, x_edge_finish = row, valid, e, m, x_edge
-        if PHASE != STATISTICS:
-            finish_row = tl.maximum(finish_row, 0)
-            m_parts, d_parts = unpack(read_partials(part_ptr, finish_row, parts, SEGMENTS, finish_valid))
-            m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
-            m_row = tl.max(m_parts, axis=0)
-            d_row = tl.sum(d_parts * tl.exp(m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)), axis=0)
-            scale = tl.where(m_finish == float("-inf"), 0.0, tl.exp(m_finish - m_row)) / d_row
-            start, shift, _, store_start, store_end = row_window(finish_row, y_row_stride, n_cols, finish_valid, ALIGN)
-            if ALIGN > 1:
-                tl.store(y_ptr + start + piece, e_finish * scale, mask=(piece >= store_start) & (piece < store_end))
-                edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, finish_valid & (segment == 0),
-                                               ALIGN)
-                tl.store(y_ptr + start + edge, tl.exp(x_edge_finish - m_row) / d_row, mask=in_edge)
-            else:
-                tl.store(y_ptr + start + piece, e_finish * scale, mask=piece < store_end)
+        elif PHASE == FINISH:
+            finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, e, m,
+                                 x_edge, SEGMENTS, ALIGN)
 
 
 @triton.jit
@@ -205,6 +221,16 @@ def softmax_backward_tile_kernel(
                             other=0.0))
         dot = tl.sum(y * dy, axis=1)
         tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], y * (dy - dot[:, None]), mask=mask)
+
+
+@triton.jit
+def finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, y, dy, y_edge,
+                          dy_edge, SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
+    """dx for one piece of ``row``: the row's sum(y * dy) from its partials, then y * (dy - sum)."""
+    dot_parts, _ = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid))
+    dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
+    store_window(dx_ptr, row, dx_row_stride, n_cols, valid, segment, piece, y * (dy - dot), y_edge * (dy_edge - dot),
+                 ALIGN)
 
 
 @triton.jit
@@ -243,26 +269,13 @@ def softmax_backward_split_kernel(
             dot_piece = tl.sum(y * dy, axis=0)
             tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece)), mask=valid)
         if PHASE == FUSED:
-            finish_row, finish_valid, y_finish, dy_finish = row - n_groups, row >= group + n_groups, y_prev, dy_prev
-            y_edge_finish, dy_edge_finish = y_edge_prev, dy_edge_prev
+            finish_backward_piece(dx_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
+                                  dx_row_stride, n_cols, segment, piece, parts, y_prev, dy_prev, y_edge_prev,
+                                  dy_edge_prev, SEGMENTS, ALIGN)
             y_prev, dy_prev, y_edge_prev, dy_edge_prev = y, dy, y_edge, dy_edge
-        else:
-            finish_row, finish_valid, y_finish, dy_finish = row, valid, y, dy
-            y_edge_finish, dy_edge_finish = y_edge, dy_edge
-        if PHASE != STATISTICS:
-            finish_row = tl.maximum(finish_row, 0)
-            dot_parts, _ = unpack(read_partials(part_ptr, finish_row, parts, SEGMENTS, finish_valid))
-            dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
-            start, shift, _, store_start, store_end = row_window(finish_row, dx_row_stride, n_cols, finish_valid,
-                                                                 ALIGN)
-            if ALIGN > 1:
-                tl.store(dx_ptr + start + piece, y_finish * (dy_finish - dot),
-                         mask=(piece >= store_start) & (piece < store_end))
-                edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, finish_valid & (segment == 0),
-                                               ALIGN)
-                tl.store(dx_ptr + start + edge, y_edge_finish * (dy_edge_finish - dot), mask=in_edge)
-            else:
-                tl.store(dx_ptr + start + piece, y_finish * (dy_finish - dot), mask=piece < store_end)
+        elif PHASE == FINISH:
+            finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, y, dy,
+                                  y_edge, dy_edge, SEGMENTS, ALIGN)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -289,11 +302,10 @@ class Plan:
 # are best at one row length and fall off a cliff at another.
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
 ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 ...
-WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: 0.93 of copy against 0.92 with 16 warps)
-MAX_TILE_ROW = {"forward": 32768, "backward": 16384}  # longer rows are split across programs (fp32, fp64)
-# fp16/bf16. At a forward row of 32768 the whole-row tile beats the split on the H100 (0.90 of copy against at most
-# 0.85, results/*h100*-tuning-32768-50257.csv), though not on the H200 (0.71 against 0.79): the H100 is the target.
-MAX_TILE_ROW_2_BYTES = {"forward": 32768, "backward": 16384}
+WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: ahead of 16 with tl.exp, level since exp2)
+# Longer rows are split across programs. At a forward row of 32768 the whole-row tile beats the split on the H100
+# (results/*h100*-tuning-32768-50257.csv), though not on the H200 (0.71 of copy against 0.79): the H100 is the target.
+MAX_TILE_ROW = {"forward": 32768, "backward": 16384}
 SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
 
 
@@ -304,19 +316,17 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     here: the compiled graph is then specialised to it."""
     n_cols = int(n_cols)
     block = triton.next_power_of_2(n_cols)
-    max_tile = (MAX_TILE_ROW_2_BYTES if element_size == 2 else MAX_TILE_ROW)[phase]
-    if block <= max_tile:
+    if block <= MAX_TILE_ROW[phase]:
         rows = max(1, TILE_ELEMENTS // block)
         warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
         return Plan(rows, block, 1, warps)
     # Rows of a length Triton cannot see is a multiple of 16 start off 16-byte boundaries; aligned pieces (a window up
     # to ALIGN - 1 elements wider than the row, ``row_window``) load 16 bytes at a time again. At N = 50257 on the
-    # H100 that lifts the 16-bit backward from 0.80 to 0.89 of copy and fp32 by up to 0.02, but costs the 16-bit
-    # forward 0.02 (0.78 against 0.80), which keeps its one-element loads.
-    align = 16 // element_size if n_cols % 16 and (phase == "backward" or element_size > 2) else 1
+    # H100 that lifts the 16-bit backward from 0.83 to 0.89 of copy, the 16-bit forward by 0.02, fp32 by up to 0.01.
+    align = 16 // element_size if n_cols % 16 else 1
     segments = triton.cdiv(n_cols + align - 1, SEGMENT_ELEMENTS)
     # Forward pieces take 2 warps when 16-bit, and also in fp32 while a row has fewer than 32 pieces (fp32 N = 50257:
-    # 0.91 of copy against 0.885 with 4 warps on the H100, 0.88 against 0.84 on the H200; from 32 pieces on, 4 warps
+    # 0.93 of copy against 0.91 with 4 warps on the H100, 0.88 against 0.84 on the H200; from 32 pieces on, 4 warps
     # win by 0.15-0.2 in fp32). 16-bit backward pieces take 2 warps too (H100, N = 32768 to 262144: 0.94-0.96 against
     # 0.90-0.94), except aligned ones, whose extra registers leave 2-warp programs too few per SM (0.83 against 0.89).
     if phase == "forward":

@@ -35,7 +35,6 @@ def looped(monkeypatch):
     monkeypatch.setattr(helpers.kernels, "ROW_BLOCK_LIMIT", 16)
     monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
     monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW", {"forward": 16, "backward": 16})
-    monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW_2_BYTES", {"forward": 16, "backward": 16})
     monkeypatch.setattr(helpers.fused, "SEGMENT_ELEMENTS", 16)
 
 
