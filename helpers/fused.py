@@ -304,7 +304,8 @@ TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds th
 ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 ...
 WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: ahead of 16 with tl.exp, level since exp2)
 # Longer rows are split across programs. At a forward row of 32768 the whole-row tile beats the split on the H100
-# (results/*h100*-tuning-32768-50257.csv), though not on the H200 (0.71 of copy against 0.79): the H100 is the target.
+# (results/*h100*-tuning-32768-50257.csv), though not on the H200 in a run with tl.exp (0.71 of copy against 0.79):
+# the H100 is the target.
 MAX_TILE_ROW = {"forward": 32768, "backward": 16384}
 SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
 
