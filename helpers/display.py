@@ -34,6 +34,18 @@ def kernel_operations(kernel: object, ops: tuple[str, ...] = ("exp", "max", "sum
     return {op: source.count(f"tl.{op}(") for op in ops}
 
 
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What NVIDIA's ``cuobjdump`` (shipped with Triton) prints for a compiled kernel's binary: ``-sass`` for its
+    machine code, ``-res-usage`` for its registers and stack."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([tool, *flags, file.name], capture_output=True, text=True, check=True).stdout
+
+
 def instruction_mix(kernel: object, signature: dict, constexprs: dict, num_warps: int = 1, arch: int = 90) -> Counter:
     """The machine instructions (SASS opcodes, without modifiers) that a small self-contained kernel compiles to for
     an NVIDIA GPU of compute capability ``arch``: a cross-compilation, so it runs without a GPU, interpreter on or not.
@@ -43,14 +55,10 @@ def instruction_mix(kernel: object, signature: dict, constexprs: dict, num_warps
     from triton.compiler import ASTSource
 
     source = ASTSource(triton.runtime.JITFunction(getattr(kernel, "fn", kernel)), signature, constexprs)
-    # fusion off: every multiply-add shown is one the source asks for (tl.fma), whatever Triton's default
+    # fusion off: the instructions shown are the ones the source writes, whatever Triton's default
     options = dict(num_warps=num_warps, enable_fp_fusion=False)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    sass = cuobjdump(compiled.asm["cubin"], "-sass")
     # instruction lines look like "/*0070*/  @!P0 FMUL R4, R4, 0.5 ;": the opcode follows the address and predicate
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     return Counter(opcodes)

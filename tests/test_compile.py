@@ -59,12 +59,12 @@ def test_kernels_compile(arch, dtype):
 
 
 SPLIT_KERNELS = r"""
-import os, re, subprocess, sys, tempfile
+import re
 import helpers, triton
+from helpers.display import cuobjdump
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 fused = helpers.fused
 cases = [(fused.softmax_split_kernel, "bf16", 2), (fused.softmax_split_kernel, "fp32", 4),
          (fused.softmax_backward_split_kernel, "bf16", 4)]
@@ -85,11 +85,8 @@ for kernel, dtype, warps in cases:
                 signature[param.name] = "i32"
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
-        registers = int(usage.stdout.split("REG:")[1].split()[0])
+        usage = cuobjdump(compiled.asm["cubin"], "-res-usage")
+        registers = int(usage.split("REG:")[1].split()[0])
         wide_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", compiled.asm["ptx"]))
         print(kernel.fn.__name__, dtype, warps, align, registers, wide_loads)
 """
