@@ -101,44 +101,56 @@ def take_ticket(counter_ptr):
 def row_window(row, row_stride, n_cols, valid, ALIGN: tl.constexpr):
     """Where a split's pieces sit in a row, so that they load and store 16 bytes (ALIGN elements) at a time even when
     rows start off 16-byte boundaries (an odd row length). Positions count from ``start``, the multiple of ALIGN at or
-    up to ``shift`` elements before the row; chunks of ALIGN positions are loaded whole up to ``load_end`` (the few
-    neighbouring elements this takes in are masked out after the load) and stored whole from ``store_start`` to
-    ``store_end``. The partial chunks at the two ends are stored element by element (``edge_positions``). With ALIGN = 1
-    the positions are the columns. A row past the end (not ``valid``) has nothing to load or store."""
+    up to ``shift`` elements before the row. The chunks of ALIGN positions that lie wholly inside the row, from
+    ``chunk_start`` to ``chunk_end``, are loaded and stored whole; the row's elements in the partial chunks at its two
+    ends go element by element (``edge_positions``). With ALIGN = 1 the positions are the columns and every element is
+    a whole chunk. A row past the end (not ``valid``) has nothing to load or store."""
     shift = ((row * row_stride) % ALIGN).to(tl.int32)
     start = row * row_stride - shift
-    load_end = tl.where(valid, (n_cols + shift + ALIGN - 1) // ALIGN * ALIGN, 0)
-    store_start = (shift + ALIGN - 1) // ALIGN * ALIGN
-    store_end = tl.where(valid, (n_cols + shift) // ALIGN * ALIGN, 0)
+    chunk_start = (shift + ALIGN - 1) // ALIGN * ALIGN
+    chunk_end = tl.where(valid, (n_cols + shift) // ALIGN * ALIGN, 0)
     if ALIGN > 1:  # what the compiler cannot see for itself (a hint of 1 would hide what it can)
-        start, load_end = tl.multiple_of(start, ALIGN), tl.multiple_of(load_end, ALIGN)
-        store_start, store_end = tl.multiple_of(store_start, ALIGN), tl.multiple_of(store_end, ALIGN)
-    return start, shift, load_end, store_start, store_end
+        start = tl.multiple_of(start, ALIGN)
+        chunk_start, chunk_end = tl.multiple_of(chunk_start, ALIGN), tl.multiple_of(chunk_end, ALIGN)
+    return start, shift, chunk_start, chunk_end
 
 
 @triton.jit
-def edge_positions(shift, store_start, store_end, n_cols, owner, ALIGN: tl.constexpr):
-    """The positions of a row's elements outside its whole chunks: the head chunk's (before ``store_start``) in the
-    first ALIGN slots, the tail chunk's (from ``store_end``) in the next ALIGN. Only the ``owner`` program has them."""
+def edge_positions(shift, chunk_start, chunk_end, n_cols, owner, ALIGN: tl.constexpr):
+    """The positions of a row's elements outside its whole chunks: the head chunk's (before ``chunk_start``) in the
+    first ALIGN slots, the tail chunk's (from ``chunk_end``) in the next ALIGN. Only the ``owner`` program has them."""
     edge = tl.arange(0, 2 * ALIGN)
-    tail_start = tl.maximum(store_end, store_start)
+    tail_start = tl.maximum(chunk_end, chunk_start)
     positions = tl.where(edge < ALIGN, edge, tail_start + edge - ALIGN)
-    in_edge = tl.where(edge < ALIGN, positions < store_start, positions >= tail_start)
+    in_edge = tl.where(edge < ALIGN, positions < chunk_start, positions >= tail_start)
     return positions, in_edge & (positions >= shift) & (positions < tl.where(owner, n_cols + shift, 0))
+
+
+@triton.jit
+def load_window(in_ptr, row, row_stride, col_stride, n_cols, valid, segment, piece, other, ALIGN: tl.constexpr):
+    """Load one piece of a row where ``row_window`` places it, as fp32: its whole chunks, which never reach into a
+    neighbouring row, and, for the row's first program, the elements of the partial end chunks one by one (``other``
+    everywhere else)."""
+    start, shift, chunk_start, chunk_end = row_window(row, row_stride, n_cols, valid, ALIGN)
+    offsets = piece if ALIGN > 1 else piece * col_stride  # aligned windows have unit column strides
+    values = tl.load(in_ptr + start + offsets, mask=(piece >= chunk_start) & (piece < chunk_end), other=other)
+    values = values.to(tl.float32)
+    edge_values = tl.full((2 * ALIGN,), other, tl.float32)
+    if ALIGN > 1:
+        edge, in_edge = edge_positions(shift, chunk_start, chunk_end, n_cols, valid & (segment == 0), ALIGN)
+        edge_values = tl.load(in_ptr + start + edge, mask=in_edge, other=other).to(tl.float32)
+    return values, edge_values
 
 
 @triton.jit
 def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values, edge_values,
                  ALIGN: tl.constexpr):
-    """Store one piece of a row where ``row_window`` places it: whole chunks of ALIGN positions, which never reach
-    into a neighbouring row, and, from the row's first program, the partial end chunks' ``edge_values`` one by one."""
-    start, shift, _, store_start, store_end = row_window(row, row_stride, n_cols, valid, ALIGN)
+    """Store one piece of a row where ``row_window`` places it, as ``load_window`` loads it."""
+    start, shift, chunk_start, chunk_end = row_window(row, row_stride, n_cols, valid, ALIGN)
+    tl.store(out_ptr + start + piece, values, mask=(piece >= chunk_start) & (piece < chunk_end))
     if ALIGN > 1:
-        tl.store(out_ptr + start + piece, values, mask=(piece >= store_start) & (piece < store_end))
-        edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, valid & (segment == 0), ALIGN)
+        edge, in_edge = edge_positions(shift, chunk_start, chunk_end, n_cols, valid & (segment == 0), ALIGN)
         tl.store(out_ptr + start + edge, edge_values, mask=in_edge)
-    else:
-        tl.store(out_ptr + start + piece, values, mask=piece < store_end)
 
 
 @triton.jit
@@ -182,18 +194,15 @@ def softmax_split_kernel(
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
         valid = row < n_rows
-        start, shift, load_end, store_start, store_end = row_window(row, x_row_stride, n_cols, valid, ALIGN)
-        x = tl.load(x_ptr + start + piece * x_col_stride, mask=piece < load_end, other=float("-inf")).to(tl.float32)
-        x_edge = tl.zeros((2 * ALIGN,), tl.float32)
-        if ALIGN > 1:
-            x = tl.where((piece >= shift) & (piece < n_cols + shift), x, float("-inf"))  # drop the neighbours' elements
-            # the row's first program also loads its partial end chunks, to store them one by one
-            edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, valid & (segment == 0), ALIGN)
-            x_edge = tl.load(x_ptr + start + edge, mask=in_edge).to(tl.float32)
-        m = tl.max(x, axis=0)
-        e = tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * LOG2E)  # all -inf: e = 0, partial (-inf, 0)
+        # the piece's elements, and in the row's first program the end chunks' elements too: the partial covers both
+        x, x_edge = load_window(x_ptr, row, x_row_stride, x_col_stride, n_cols, valid, segment, piece, float("-inf"),
+                                ALIGN)
+        m = tl.maximum(tl.max(x, axis=0), tl.max(x_edge, axis=0))
+        m_finite = tl.where(m == float("-inf"), 0.0, m)  # all -inf: e = 0, partial (-inf, 0)
+        e = tl.exp2((x - m_finite) * LOG2E)
         if PHASE != FINISH:
-            tl.store(part_ptr + row * SEGMENTS + segment, pack(m, tl.sum(e, axis=0)), mask=valid)
+            d = tl.sum(e, axis=0) + tl.sum(tl.exp2((x_edge - m_finite) * LOG2E), axis=0)
+            tl.store(part_ptr + row * SEGMENTS + segment, pack(m, d), mask=valid)
         if PHASE == FUSED:
             finish_forward_piece(y_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
                                  y_row_stride, n_cols, segment, piece, parts, e_prev, m_prev, x_edge_prev,
@@ -253,20 +262,10 @@ def softmax_backward_split_kernel(
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)
         valid = row < n_rows
-        start, shift, load_end, store_start, store_end = row_window(row, y_row_stride, n_cols, valid, ALIGN)
-        dy_start, _, _, _, _ = row_window(row, dy_row_stride, n_cols, valid, ALIGN)  # == start when ALIGN > 1
-        y = tl.load(y_ptr + start + piece * y_col_stride, mask=piece < load_end, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + dy_start + piece * dy_col_stride, mask=piece < load_end, other=0.0).to(tl.float32)
-        y_edge = tl.zeros((2 * ALIGN,), tl.float32)
-        dy_edge = y_edge
-        if ALIGN > 1:  # as in the forward; 0 * inf would be NaN, so both y and dy drop the neighbours' elements
-            in_row = (piece >= shift) & (piece < n_cols + shift)
-            y, dy = tl.where(in_row, y, 0.0), tl.where(in_row, dy, 0.0)
-            edge, in_edge = edge_positions(shift, store_start, store_end, n_cols, valid & (segment == 0), ALIGN)
-            y_edge = tl.load(y_ptr + start + edge, mask=in_edge).to(tl.float32)
-            dy_edge = tl.load(dy_ptr + start + edge, mask=in_edge).to(tl.float32)
+        y, y_edge = load_window(y_ptr, row, y_row_stride, y_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN)
+        dy, dy_edge = load_window(dy_ptr, row, dy_row_stride, dy_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN)
         if PHASE != FINISH:
-            dot_piece = tl.sum(y * dy, axis=0)
+            dot_piece = tl.sum(y * dy, axis=0) + tl.sum(y_edge * dy_edge, axis=0)
             tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece)), mask=valid)
         if PHASE == FUSED:
             finish_backward_piece(dx_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
@@ -329,11 +328,11 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     # Forward pieces take 2 warps when 16-bit, and also in fp32 while a row has fewer than 32 pieces (fp32 N = 50257:
     # 0.93 of copy against 0.91 with 4 warps on the H100, 0.88 against 0.84 on the H200; from 32 pieces on, 4 warps
     # win by 0.15-0.2 in fp32). 16-bit backward pieces take 2 warps too (H100, N = 32768 to 262144: 0.94-0.96 against
-    # 0.90-0.94), except aligned ones, whose extra registers leave 2-warp programs too few per SM (0.83 against 0.89).
+    # 0.90-0.94; aligned at N = 50257: 0.92 against 0.90).
     if phase == "forward":
         warps = 2 if element_size == 2 or segments < 32 else 4
     else:
-        warps = 2 if element_size == 2 and align == 1 else 4
+        warps = 2 if element_size == 2 else 4
     return Plan(1, SEGMENT_ELEMENTS, segments, warps, persistent=True, align=align)
 
 
