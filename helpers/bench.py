@@ -14,6 +14,7 @@ import csv
 import datetime
 import functools
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -52,6 +53,20 @@ def time_ms(fn: Callable[[], object]) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def cpu_ms_per_call(fn: Callable[[], object], calls: int = 100) -> float:
+    """Milliseconds of CPU time per call of ``fn`` while the GPU is kept busy, so that calls only queue their work:
+    the time the host needs to issue one call, which must stay below the GPU's time per call to keep the GPU fed."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU work queued ahead of the calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
 
 
 def gbps(n_bytes: int, ms: float) -> float:

@@ -87,6 +87,15 @@ _softmax_op = _operator("softmax_course::softmax", _forward)
 _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 
+def _plain_call(*tensors: torch.Tensor) -> bool:
+    """Whether a call can run the operator's body directly: nothing traces it (torch.compile, or tensor subclasses
+    such as FakeTensors) and autograd has nothing to record. The operator's dispatcher adds Python time to every
+    call: issuing a bf16 forward of 2**27 elements took the H100 machine's CPU 0.19 ms through it and 0.16 ms
+    directly, while the kernel takes 0.20 ms on the GPU (notebook 06)."""
+    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device, and a PyTorch operator
     (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 07).
@@ -95,7 +104,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     ``softmax_backward`` of the saved output.
     """
     _check_tensor("x", x)
-    return _softmax_op(x, _dim_index(dim, x.ndim))
+    dim = _dim_index(dim, x.ndim)
+    return _forward(x, dim) if _plain_call(x) else _softmax_op(x, dim)
 
 
 def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -110,7 +120,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     _check_tensor("dy", dy)
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
-    return _softmax_backward_op(y, dy, _dim_index(dim, y.ndim))
+    dim = _dim_index(dim, y.ndim)
+    return _backward(y, dy, dim) if _plain_call(y, dy) else _softmax_backward_op(y, dy, dim)
 
 
 class Softmax(torch.autograd.Function):
