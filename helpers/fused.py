@@ -322,7 +322,8 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
         return Plan(rows, block, 1, warps)
     # Rows of a length Triton cannot see is a multiple of 16 start off 16-byte boundaries; aligned pieces (a window up
     # to ALIGN - 1 elements wider than the row, ``row_window``) load 16 bytes at a time again. At N = 50257 on the
-    # H100 that lifts the 16-bit backward from 0.83 to 0.89 of copy, the 16-bit forward by 0.02, fp32 by up to 0.01.
+    # H100 that lifts the 16-bit backward from 0.83 to 0.93 of copy, the 16-bit forward from 0.76 to 0.84, fp32 by
+    # about 0.01 (the best shapes of each kind in results/*h100*-tuning-32768-50257.csv).
     align = 16 // element_size if n_cols % 16 else 1
     segments = triton.cdiv(n_cols + align - 1, SEGMENT_ELEMENTS)
     # Forward pieces take 2 warps when 16-bit, and also in fp32 while a row has fewer than 32 pieces (fp32 N = 50257:
@@ -421,7 +422,7 @@ def _partials(n_rows: int, plan: Plan, device: torch.device) -> torch.Tensor:
 def _align(plan: Plan, *tensors: torch.Tensor) -> int:
     """A split's ALIGN: the plan's, when all the tensors have one element size, unit column strides, one row stride
     (so one window fits every row of every tensor) and start on 16 bytes from their storage (allocations do), so that
-    a chunk loaded whole never reaches past the allocation; else 1."""
+    a multiple of ALIGN elements from a tensor's start is a 16-byte boundary in memory; else 1."""
     row_stride, size = tensors[0].stride(0), tensors[0].element_size()
     fits = all(t.element_size() == size and t.stride(1) == 1 and t.stride(0) == row_stride
                and t.storage_offset() * size % 16 == 0 for t in tensors)
