@@ -214,22 +214,34 @@ def softmax_split_kernel(
 
 
 @triton.jit
+def upcast_again(x):
+    """``upcast(x)`` for a use of x after a reduction over it. The compiler merges two upcasts of one value, so a
+    16-bit tile would stay live as its fp32 copy, twice the registers, across the reduction: a 32768-element row of
+    y and dy then spills even at 32 warps. x + 0.0 is a new value (not folded away: -0.0 + 0.0 is +0.0, the one
+    change it makes), so the tile stays 16-bit until this upcast."""
+    if x.dtype == tl.float16 or x.dtype == tl.bfloat16:
+        x = x + 0.0
+    return upcast(x)
+
+
+@triton.jit
 def softmax_backward_tile_kernel(
     dx_ptr, y_ptr, dy_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_rows, n_cols,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Backward, persistent: tiles of ROWS whole rows, dx = y * (dy - sum(y * dy)) row by row."""
+    """Backward, persistent: tiles of ROWS whole rows, dx = y * (dy - sum(y * dy)) row by row, y and dy kept as
+    loaded (``upcast_again``)."""
     rows_in_tile = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     for tile in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         rows = (tile * ROWS + rows_in_tile).to(tl.int64)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        y = upcast(tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :] * y_col_stride, mask=mask, other=0.0))
-        dy = upcast(tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask,
-                            other=0.0))
-        dot = tl.sum(y * dy, axis=1)
-        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], y * (dy - dot[:, None]), mask=mask)
+        y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :] * y_col_stride, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+        dot = tl.sum(upcast(y) * upcast(dy), axis=1)
+        dx = upcast_again(y) * (upcast_again(dy) - dot[:, None])
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx, mask=mask)
 
 
 @triton.jit
@@ -302,10 +314,11 @@ class Plan:
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
 ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 ...
 WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: ahead of 16 with tl.exp, level since exp2)
-# Longer rows are split across programs. At a forward row of 32768 the whole-row tile beats the split on the H100
-# (results/*h100*-tuning-32768-50257.csv), though not on the H200 in a run with tl.exp (0.71 of copy against 0.79):
-# the H100 is the target.
-MAX_TILE_ROW = {"forward": 32768, "backward": 16384}
+# Longer rows are split across programs, by phase and element size. At a forward row of 32768 the whole-row tile
+# beats the split on the H100 (results/*h100*-tuning-32768-50257.csv), though not on the H200 in a run with tl.exp
+# (0.71 of copy against 0.79): the H100 is the target. A backward tile holds two rows, y and dy: 32768 elements of
+# each fit in 32 warps' registers in 16 bits (``upcast_again``) and spill in fp32, where the split wins.
+MAX_TILE_ROW = {("forward", 2): 32768, ("forward", 4): 32768, ("backward", 2): 32768, ("backward", 4): 16384}
 SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
 
 
@@ -316,7 +329,7 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     here: the compiled graph is then specialised to it."""
     n_cols = int(n_cols)
     block = triton.next_power_of_2(n_cols)
-    if block <= MAX_TILE_ROW[phase]:
+    if block <= MAX_TILE_ROW[phase, min(element_size, 4)]:  # fp64 rows: fp32's limits
         rows = max(1, TILE_ELEMENTS // block)
         warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
         return Plan(rows, block, 1, warps)

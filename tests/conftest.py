@@ -34,7 +34,7 @@ def looped(monkeypatch):
     kernels), in pieces of 16, so odd row lengths span several pieces."""
     monkeypatch.setattr(helpers.kernels, "ROW_BLOCK_LIMIT", 16)
     monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
-    monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW", {"forward": 16, "backward": 16})
+    monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW", dict.fromkeys(helpers.fused.MAX_TILE_ROW, 16))
     monkeypatch.setattr(helpers.fused, "SEGMENT_ELEMENTS", 16)
 
 
