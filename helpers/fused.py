@@ -317,8 +317,10 @@ WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: ahead of
 # Longer rows are split across programs, by phase and element size. At a forward row of 32768 the whole-row tile
 # beats the split on the H100 (results/*h100*-tuning-32768-50257.csv), though not on the H200 in a run with tl.exp
 # (0.71 of copy against 0.79): the H100 is the target. A backward tile holds two rows, y and dy: 32768 elements of
-# each fit in 32 warps' registers in 16 bits (``upcast_again``) and spill in fp32, where the split wins.
+# each fit in 32 warps' registers in 16 bits (``upcast_again``), with 16-byte loads (rows a multiple of 16 long; one
+# element per load takes more registers and spills), and spill in fp32. Where they spill, the split wins.
 MAX_TILE_ROW = {("forward", 2): 32768, ("forward", 4): 32768, ("backward", 2): 32768, ("backward", 4): 16384}
+MAX_TILE_ROW_UNALIGNED = {"forward": 32768, "backward": 16384}
 SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
 
 
@@ -329,7 +331,8 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     here: the compiled graph is then specialised to it."""
     n_cols = int(n_cols)
     block = triton.next_power_of_2(n_cols)
-    if block <= MAX_TILE_ROW[phase, min(element_size, 4)]:  # fp64 rows: fp32's limits
+    max_tile_row = MAX_TILE_ROW[phase, min(element_size, 4)]  # fp64 rows: fp32's limits
+    if block <= (max_tile_row if n_cols % 16 == 0 else min(max_tile_row, MAX_TILE_ROW_UNALIGNED[phase])):
         rows = max(1, TILE_ELEMENTS // block)
         warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
         return Plan(rows, block, 1, warps)

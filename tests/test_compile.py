@@ -11,6 +11,16 @@ import sys
 
 import pytest
 
+
+def compile_in_subprocess(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh Python with the interpreter off; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(SOFTMAX_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 COMPILE_ALL = r'''
 import sys
 import helpers, triton
@@ -42,11 +52,7 @@ for name, kernel in sorted(kernels.items()):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32", "fp64"])
 @pytest.mark.parametrize("arch", [75, 90], ids=["sm_75-T4", "sm_90-H100"])
 def test_kernels_compile(arch, dtype):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(SOFTMAX_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    out = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(arch), dtype], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = compile_in_subprocess(COMPILE_ALL, str(arch), dtype)
     exponentials = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in out.stdout.splitlines()}
     assert "softmax_kernel" in exponentials and "softmax_split_kernel" in exponentials
     if dtype == "fp64":  # fp64 exponentials are libdevice calls, not the hardware's ex2
@@ -97,10 +103,7 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
     bytes per instruction (ALIGN = 1: none do), and the aligned kernels stay within 128 registers a thread, so 8
     two-warp programs (4 four-warp ones) fit an SM: the split kernels' speed rests on both. (A 64-bit program index
     once pushed the 16-bit forward past 200 registers.)"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(SOFTMAX_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    out = subprocess.run([sys.executable, "-c", SPLIT_KERNELS], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = compile_in_subprocess(SPLIT_KERNELS)
     compiled = [line.split() for line in out.stdout.splitlines()]
     assert len(compiled) == 6, out.stdout
     for _name, _dtype, _warps, align, registers, wide_loads in compiled:
@@ -108,3 +111,47 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
             assert wide_loads == "0", out.stdout
         else:
             assert int(wide_loads) > 0 and int(registers) <= 128, out.stdout
+
+
+WIDEST_BACKWARD_TILE = r"""
+import helpers, triton
+from helpers.display import cuobjdump
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+fused = helpers.fused
+kernel = fused.softmax_backward_tile_kernel
+for dtype, element_size, n_cols in (("bf16", 2, 32768), ("fp16", 2, 32768), ("fp32", 4, 32768), ("bf16", 2, 30001)):
+    plan = fused.plan_for(n_cols, "backward", element_size)
+    # the whole-row tile of 32 warps, compiled for every case as launched on contiguous rows of n_cols: 16-byte
+    # aligned pointers, and integers specialised as multiples of 16 where they are
+    signature, attrs, constexprs = {}, {}, dict(ROWS=1, BLOCK_N=32768)
+    for i, param in enumerate(kernel.params):
+        if param.name in constexprs:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("col_stride"):
+            signature[param.name], constexprs[param.name] = "constexpr", 1
+        elif param.name.endswith("_ptr"):
+            signature[param.name], attrs[(i,)] = f"*{dtype}", [["tt.divisibility", 16]]
+        else:
+            signature[param.name] = "i32"
+            if n_cols % 16 == 0:  # n_rows, n_cols and the row strides: 2**27 // 32768, 32768
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=32))
+    stack = int(cuobjdump(compiled.asm["cubin"], "-res-usage").split("STACK:")[1].split()[0])
+    print(f"{dtype}-{n_cols}", plan.segments, stack)
+"""
+
+
+def test_widest_backward_tile_is_planned_only_where_it_does_not_spill():
+    """A backward row of 32768 is one 32-warp tile in 16 bits and split in fp32 (plan_for), because only the 16-bit
+    tile fits in registers: no stack (spilled registers) for it, a stack for fp32's. Without ``upcast_again`` the
+    16-bit tile spills too, and so it does on rows of an odd length (one-element loads), which are split."""
+    out = compile_in_subprocess(WIDEST_BACKWARD_TILE)
+    lines = map(str.split, out.stdout.splitlines())
+    compiled = {case: (int(segments), int(stack)) for case, segments, stack in lines}
+    assert compiled["bf16-32768"] == compiled["fp16-32768"] == (1, 0), out.stdout
+    for case in ("fp32-32768", "bf16-30001"):
+        segments, stack = compiled[case]
+        assert segments > 1 and stack > 0, out.stdout
