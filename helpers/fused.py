@@ -314,14 +314,34 @@ class Plan:
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
 ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 ...
 WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: ahead of 16 with tl.exp, level since exp2)
-# Longer rows are split across programs, by phase and element size. At a forward row of 32768 the whole-row tile
-# beats the split on the H100 (results/*h100*-tuning-32768-50257.csv), though not on the H200 in a run with tl.exp
-# (0.71 of copy against 0.79): the H100 is the target. A backward tile holds two rows, y and dy: 32768 elements of
-# each fit in 32 warps' registers in 16 bits (``upcast_again``), with 16-byte loads (rows a multiple of 16 long; one
-# element per load takes more registers and spills), and spill in fp32. Where they spill, the split wins.
-MAX_TILE_ROW = {("forward", 2): 32768, ("forward", 4): 32768, ("backward", 2): 32768, ("backward", 4): 16384}
-MAX_TILE_ROW_UNALIGNED = {"forward": 32768, "backward": 16384}
+# Rows up to ALWAYS_TILE_ROW take a whole-row tile, rows past MAX_TILE_ROW are split across programs, and between
+# the two it depends (``takes_tile``).
+ALWAYS_TILE_ROW = 16384
+MAX_TILE_ROW = 32768
 SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
+
+
+def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
+    """Whether rows of ``n_cols`` take a whole-row tile rather than a split, as measured on the H100 (notebook 06;
+    results/*h100*-tuning-*.csv). Between ALWAYS_TILE_ROW and MAX_TILE_ROW, a tile of 32 warps:
+
+    - wins where it loads 16 bytes at a time (rows a multiple of 16 long); one element per load takes more registers,
+      and the tile falls behind or spills;
+    - in the backward holds two rows, y and dy: in fp32 they spill, in 16 bits they fit (``upcast_again``);
+    - in a 16-bit forward, only a row that fills it moves enough bytes per program (bf16, the best tile against the
+      best split: 0.96 against 0.91 of copy at N = 32768, 0.78 against 0.84 at N = 20000). The H200 prefers the
+      split even at 32768 (0.71 against 0.79 in a run with tl.exp): the H100 is the target.
+    """
+    block = triton.next_power_of_2(n_cols)
+    if block <= ALWAYS_TILE_ROW:
+        return True
+    if block > MAX_TILE_ROW:
+        return False
+    if phase == "forward" and element_size == 2:
+        return n_cols == block
+    if phase == "backward" and element_size > 2:
+        return False
+    return n_cols % 16 == 0
 
 
 def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
@@ -331,8 +351,7 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     here: the compiled graph is then specialised to it."""
     n_cols = int(n_cols)
     block = triton.next_power_of_2(n_cols)
-    max_tile_row = MAX_TILE_ROW[phase, min(element_size, 4)]  # fp64 rows: fp32's limits
-    if block <= (max_tile_row if n_cols % 16 == 0 else min(max_tile_row, MAX_TILE_ROW_UNALIGNED[phase])):
+    if takes_tile(n_cols, phase, element_size):
         rows = max(1, TILE_ELEMENTS // block)
         warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
         return Plan(rows, block, 1, warps)

@@ -34,8 +34,8 @@ def looped(monkeypatch):
     kernels), in pieces of 16, so odd row lengths span several pieces."""
     monkeypatch.setattr(helpers.kernels, "ROW_BLOCK_LIMIT", 16)
     monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
-    for limit in ("MAX_TILE_ROW", "MAX_TILE_ROW_UNALIGNED"):
-        monkeypatch.setattr(helpers.fused, limit, dict.fromkeys(getattr(helpers.fused, limit), 16))
+    monkeypatch.setattr(helpers.fused, "ALWAYS_TILE_ROW", 8)
+    monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW", 16)
     monkeypatch.setattr(helpers.fused, "SEGMENT_ELEMENTS", 16)
 
 
