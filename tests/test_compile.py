@@ -64,7 +64,7 @@ def test_kernels_compile(arch, dtype):
         assert guarded == 0 and plain > 0, (name, exponentials[name])
 
 
-SPLIT_KERNELS = r"""
+AS_LAUNCHED_ON_H100 = r"""
 import re
 import helpers, triton
 from helpers.display import cuobjdump
@@ -72,27 +72,38 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 fused = helpers.fused
+
+
+# kernel compiled for sm_90 as launched on contiguous rows (16-byte aligned data pointers, unit column strides; the
+# other integers specialised as multiples of 16 where they are), with its registers and stack bytes
+def compile_as_launched(kernel, dtype, constexprs, num_warps, ints_multiple_of_16=False):
+    signature, attrs, constexprs = {}, {}, dict(constexprs)
+    for i, param in enumerate(kernel.params):
+        if param.name in constexprs:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("col_stride"):
+            signature[param.name], constexprs[param.name] = "constexpr", 1
+        elif param.name.endswith("_ptr"):
+            signature[param.name] = "*i64" if param.name == "part_ptr" else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[param.name] = "i32"
+            if ints_multiple_of_16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps))
+    usage = cuobjdump(compiled.asm["cubin"], "-res-usage")
+    return compiled, int(usage.split("REG:")[1].split()[0]), int(usage.split("STACK:")[1].split()[0])
+"""
+
+SPLIT_KERNELS = AS_LAUNCHED_ON_H100 + r"""
 cases = [(fused.softmax_split_kernel, "bf16", 2), (fused.softmax_split_kernel, "fp32", 4),
          (fused.softmax_backward_split_kernel, "bf16", 4)]
 for kernel, dtype, warps in cases:
     for align in (1, 8 if dtype == "bf16" else 4):
-        # as launched on rows of 50257: contiguous, 16-byte aligned data pointers, an odd row stride
-        signature, attrs = {}, {}
+        # as launched on rows of 50257: an odd row stride
         constexprs = dict(SEGMENTS=25, SEGMENTS_POW2=32, BLOCK_N=fused.SEGMENT_ELEMENTS, PHASE=fused.FUSED, ALIGN=align)
-        for i, param in enumerate(kernel.params):
-            if param.name in constexprs:
-                signature[param.name] = "constexpr"
-            elif param.name.endswith("col_stride"):
-                signature[param.name], constexprs[param.name] = "constexpr", 1
-            elif param.name.endswith("_ptr"):
-                signature[param.name] = "*i64" if param.name == "part_ptr" else f"*{dtype}"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                signature[param.name] = "i32"
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=warps))
-        usage = cuobjdump(compiled.asm["cubin"], "-res-usage")
-        registers = int(usage.split("REG:")[1].split()[0])
+        compiled, registers, _ = compile_as_launched(kernel, dtype, constexprs, warps)
         wide_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", compiled.asm["ptx"]))
         print(kernel.fn.__name__, dtype, warps, align, registers, wide_loads)
 """
@@ -113,33 +124,12 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
             assert int(wide_loads) > 0 and int(registers) <= 128, out.stdout
 
 
-WIDEST_BACKWARD_TILE = r"""
-import helpers, triton
-from helpers.display import cuobjdump
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-fused = helpers.fused
-kernel = fused.softmax_backward_tile_kernel
+WIDEST_BACKWARD_TILE = AS_LAUNCHED_ON_H100 + r"""
 for dtype, element_size, n_cols in (("bf16", 2, 32768), ("fp16", 2, 32768), ("fp32", 4, 32768), ("bf16", 2, 30001)):
     plan = fused.plan_for(n_cols, "backward", element_size)
-    # the whole-row tile of 32 warps, compiled for every case as launched on contiguous rows of n_cols: 16-byte
-    # aligned pointers, and integers specialised as multiples of 16 where they are
-    signature, attrs, constexprs = {}, {}, dict(ROWS=1, BLOCK_N=32768)
-    for i, param in enumerate(kernel.params):
-        if param.name in constexprs:
-            signature[param.name] = "constexpr"
-        elif param.name.endswith("col_stride"):
-            signature[param.name], constexprs[param.name] = "constexpr", 1
-        elif param.name.endswith("_ptr"):
-            signature[param.name], attrs[(i,)] = f"*{dtype}", [["tt.divisibility", 16]]
-        else:
-            signature[param.name] = "i32"
-            if n_cols % 16 == 0:  # n_rows, n_cols and the row strides: 2**27 // 32768, 32768
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=32))
-    stack = int(cuobjdump(compiled.asm["cubin"], "-res-usage").split("STACK:")[1].split()[0])
+    # the whole-row tile of 32 warps for every case; n_rows, n_cols and the row strides are multiples of 16 at 32768
+    _, _, stack = compile_as_launched(fused.softmax_backward_tile_kernel, dtype, dict(ROWS=1, BLOCK_N=32768), 32,
+                                      ints_multiple_of_16=n_cols % 16 == 0)
     print(f"{dtype}-{n_cols}", plan.segments, stack)
 """
 
