@@ -61,6 +61,18 @@ def softmax_tile_kernel(
 
 
 @triton.jit
+def upcast_again(x):
+    """``upcast(x)`` for a use of x after a reduction over it. The compiler merges two upcasts of one value, so a
+    16-bit tile or piece would stay live as its fp32 copy, twice the registers, across the reduction: a
+    32768-element row of y and dy then spills even at 32 warps, and a split holds fewer programs. x + 0.0 is a new
+    value (not folded away: -0.0 + 0.0 is +0.0, the one change it makes), so the data stays 16-bit until this
+    upcast."""
+    if x.dtype == tl.float16 or x.dtype == tl.bfloat16:
+        x = x + 0.0
+    return upcast(x)
+
+
+@triton.jit
 def pack(high, low):
     """Two fp32 values in one 64-bit word: a single store publishes both at once."""
     high_bits = high.to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -128,17 +140,16 @@ def edge_positions(shift, chunk_start, chunk_end, n_cols, owner, ALIGN: tl.const
 
 @triton.jit
 def load_window(in_ptr, row, row_stride, col_stride, n_cols, valid, segment, piece, other, ALIGN: tl.constexpr):
-    """Load one piece of a row where ``row_window`` places it, as fp32: its whole chunks, which never reach into a
-    neighbouring row, and, for the row's first program, the elements of the partial end chunks one by one (``other``
-    everywhere else)."""
+    """Load one piece of a row where ``row_window`` places it, in the tensor's dtype: its whole chunks, which never
+    reach into a neighbouring row, and, for the row's first program, the elements of the partial end chunks one by one
+    (``other`` everywhere else)."""
     start, shift, chunk_start, chunk_end = row_window(row, row_stride, n_cols, valid, ALIGN)
     offsets = piece if ALIGN > 1 else piece * col_stride  # aligned windows have unit column strides
     values = tl.load(in_ptr + start + offsets, mask=(piece >= chunk_start) & (piece < chunk_end), other=other)
-    values = values.to(tl.float32)
-    edge_values = tl.full((2 * ALIGN,), other, tl.float32)
+    edge_values = tl.full((2 * ALIGN,), other, in_ptr.dtype.element_ty)
     if ALIGN > 1:
         edge, in_edge = edge_positions(shift, chunk_start, chunk_end, n_cols, valid & (segment == 0), ALIGN)
-        edge_values = tl.load(in_ptr + start + edge, mask=in_edge, other=other).to(tl.float32)
+        edge_values = tl.load(in_ptr + start + edge, mask=in_edge, other=other)
     return values, edge_values
 
 
@@ -154,16 +165,17 @@ def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values
 
 
 @triton.jit
-def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, e, m, x_edge,
+def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, x, x_edge,
                          SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
-    """y for one piece of ``row``: merge the row's (m, d) partials, then rescale the piece's e = exp(x - m)."""
+    """y for one piece of ``row``, kept as loaded: merge the row's (m, d) partials, then y = exp(x - m) / d."""
     m_parts, d_parts = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid))
     m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
     m_row = tl.max(m_parts, axis=0)
     d_row = tl.sum(d_parts * tl.exp2((m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)) * LOG2E), axis=0)
-    scale = tl.where(m == float("-inf"), 0.0, tl.exp2((m - m_row) * LOG2E)) / d_row
-    store_window(y_ptr, row, y_row_stride, n_cols, valid, segment, piece, e * scale,
-                 tl.exp2((x_edge - m_row) * LOG2E) / d_row, ALIGN)
+    d_inverse = 1.0 / d_row
+    store_window(y_ptr, row, y_row_stride, n_cols, valid, segment, piece,
+                 tl.exp2((upcast_again(x) - m_row) * LOG2E) * d_inverse,
+                 tl.exp2((upcast_again(x_edge) - m_row) * LOG2E) * d_inverse, ALIGN)
 
 
 @triton.jit
@@ -177,19 +189,21 @@ def softmax_split_kernel(
     counter after the last row's. Groups of SEGMENTS programs walk the rows grid-stride. ALIGN > 1 places the pieces
     on 16-byte boundaries (``row_window``; it needs unit column strides and equal row strides).
 
-    Each piece keeps e = exp(x - m_piece) in registers, so finishing is one multiply by exp(m_piece - m) / d. In one
-    launch (PHASE 2) a program publishes row r, then finishes row r - 1 of its group, whose partials have had a whole
-    iteration to arrive. (Finishing row r - 1 before publishing row r, to overlap it with row r's loads, measured far
-    slower: each program's partial then waits on its wait for the others, and the slack of one row is lost.)
+    Each piece stays in registers as loaded, and finishing computes exp(x - m) again with the row's m: a second
+    exponential per element costs less than keeping e = exp(x - m_piece), fp32 and twice the registers of a 16-bit
+    piece, for which fewer programs fit on the GPU (notebook 06). In one launch (PHASE 2) a program publishes row r,
+    then finishes row r - 1 of its group, whose partials have had a whole iteration to arrive. (Finishing row r - 1
+    before publishing row r, to overlap it with row r's loads, measured far slower: each program's partial then waits
+    on its wait for the others, and the slack of one row is lost.)
     """
+    tl.static_assert(x_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
     program = take_ticket(part_ptr + n_rows * SEGMENTS)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the row (columns when ALIGN = 1)
     parts = tl.arange(0, SEGMENTS_POW2)
-    e_prev = tl.zeros((BLOCK_N,), tl.float32)
-    m_prev = tl.max(e_prev, axis=0)
-    x_edge_prev = tl.zeros((2 * ALIGN,), tl.float32)
+    x_prev = tl.zeros((BLOCK_N,), x_ptr.dtype.element_ty)
+    x_edge_prev = tl.zeros((2 * ALIGN,), x_ptr.dtype.element_ty)
     # one iteration past the group's last row, so that in PHASE 2 the last row is finished too
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
@@ -197,31 +211,20 @@ def softmax_split_kernel(
         # the piece's elements, and in the row's first program the end chunks' elements too: the partial covers both
         x, x_edge = load_window(x_ptr, row, x_row_stride, x_col_stride, n_cols, valid, segment, piece, float("-inf"),
                                 ALIGN)
-        m = tl.maximum(tl.max(x, axis=0), tl.max(x_edge, axis=0))
-        m_finite = tl.where(m == float("-inf"), 0.0, m)  # all -inf: e = 0, partial (-inf, 0)
-        e = tl.exp2((x - m_finite) * LOG2E)
         if PHASE != FINISH:
-            d = tl.sum(e, axis=0) + tl.sum(tl.exp2((x_edge - m_finite) * LOG2E), axis=0)
+            m = tl.maximum(tl.max(upcast(x), axis=0), tl.max(upcast(x_edge), axis=0))
+            m_finite = tl.where(m == float("-inf"), 0.0, m)  # all -inf: partial (-inf, 0)
+            # upcast_again: no fp32 copy of the piece stays live from the max to the exponentials
+            d = (tl.sum(tl.exp2((upcast_again(x) - m_finite) * LOG2E), axis=0)
+                 + tl.sum(tl.exp2((upcast_again(x_edge) - m_finite) * LOG2E), axis=0))
             tl.store(part_ptr + row * SEGMENTS + segment, pack(m, d), mask=valid)
         if PHASE == FUSED:
             finish_forward_piece(y_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
-                                 y_row_stride, n_cols, segment, piece, parts, e_prev, m_prev, x_edge_prev,
-                                 SEGMENTS, ALIGN)
-            e_prev, m_prev, x_edge_prev = e, m, x_edge
+                                 y_row_stride, n_cols, segment, piece, parts, x_prev, x_edge_prev, SEGMENTS, ALIGN)
+            x_prev, x_edge_prev = x, x_edge
         elif PHASE == FINISH:
-            finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, e, m,
-                                 x_edge, SEGMENTS, ALIGN)
-
-
-@triton.jit
-def upcast_again(x):
-    """``upcast(x)`` for a use of x after a reduction over it. The compiler merges two upcasts of one value, so a
-    16-bit tile would stay live as its fp32 copy, twice the registers, across the reduction: a 32768-element row of
-    y and dy then spills even at 32 warps. x + 0.0 is a new value (not folded away: -0.0 + 0.0 is +0.0, the one
-    change it makes), so the tile stays 16-bit until this upcast."""
-    if x.dtype == tl.float16 or x.dtype == tl.bfloat16:
-        x = x + 0.0
-    return upcast(x)
+            finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, x, x_edge,
+                                 SEGMENTS, ALIGN)
 
 
 @triton.jit
@@ -247,10 +250,12 @@ def softmax_backward_tile_kernel(
 @triton.jit
 def finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, y, dy, y_edge,
                           dy_edge, SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
-    """dx for one piece of ``row``: the row's sum(y * dy) from its partials, then y * (dy - sum)."""
+    """dx for one piece of ``row``, y and dy kept as loaded: the row's sum(y * dy) from its partials, then
+    y * (dy - sum)."""
     dot_parts, _ = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid))
     dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
-    store_window(dx_ptr, row, dx_row_stride, n_cols, valid, segment, piece, y * (dy - dot), y_edge * (dy_edge - dot),
+    store_window(dx_ptr, row, dx_row_stride, n_cols, valid, segment, piece,
+                 upcast_again(y) * (upcast_again(dy) - dot), upcast_again(y_edge) * (upcast_again(dy_edge) - dot),
                  ALIGN)
 
 
@@ -261,23 +266,26 @@ def softmax_backward_split_kernel(
     PHASE: tl.constexpr,
 ):
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
-    with a 0 beside it, so a written slot is never EMPTY), with the forward's row window and one-row-behind pipeline."""
+    with a 0 beside it, so a written slot is never EMPTY), with the forward's row window and one-row-behind pipeline;
+    pieces of y and dy stay as loaded until dx."""
+    tl.static_assert(y_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
     program = take_ticket(part_ptr + n_rows * SEGMENTS)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
-    y_prev = tl.zeros((BLOCK_N,), tl.float32)
-    dy_prev = y_prev
-    y_edge_prev = tl.zeros((2 * ALIGN,), tl.float32)
-    dy_edge_prev = y_edge_prev
+    y_prev = tl.zeros((BLOCK_N,), y_ptr.dtype.element_ty)
+    dy_prev = tl.zeros((BLOCK_N,), dy_ptr.dtype.element_ty)
+    y_edge_prev = tl.zeros((2 * ALIGN,), y_ptr.dtype.element_ty)
+    dy_edge_prev = tl.zeros((2 * ALIGN,), dy_ptr.dtype.element_ty)
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)
         valid = row < n_rows
         y, y_edge = load_window(y_ptr, row, y_row_stride, y_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN)
         dy, dy_edge = load_window(dy_ptr, row, dy_row_stride, dy_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN)
         if PHASE != FINISH:
-            dot_piece = tl.sum(y * dy, axis=0) + tl.sum(y_edge * dy_edge, axis=0)
+            dot_piece = (tl.sum(upcast(y) * upcast(dy), axis=0)
+                         + tl.sum(upcast(y_edge) * upcast(dy_edge), axis=0))
             tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece)), mask=valid)
         if PHASE == FUSED:
             finish_backward_piece(dx_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
@@ -318,7 +326,8 @@ WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: ahead of
 # the two it depends (``takes_tile``).
 ALWAYS_TILE_ROW = 16384
 MAX_TILE_ROW = 32768
-SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds
+SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds ...
+WIDE_SEGMENT_ELEMENTS = 4096  # ... and in 16 bits, for rows of at least 32 such pieces (the bytes of an fp32 piece)
 
 
 def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
@@ -360,16 +369,21 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     # H100 that lifts the 16-bit backward from 0.83 to 0.93 of copy, the 16-bit forward from 0.76 to 0.84, fp32 by
     # about 0.01 (the best shapes of each kind in results/*h100*-tuning-32768-50257.csv).
     align = 16 // element_size if n_cols % 16 else 1
-    segments = triton.cdiv(n_cols + align - 1, SEGMENT_ELEMENTS)
+    # 16-bit pieces are kept as loaded, half the registers of fp32 ones, so long 16-bit rows take pieces of twice the
+    # elements: the same bytes per program as fp32 (H100, bf16, N = 131072 to 262144: forward 0.92-0.94 of copy
+    # against 0.91-0.92, backward 0.97-0.98 against 0.96-0.97; at 50257 the wider pieces lose).
+    wide = element_size == 2 and n_cols >= 32 * WIDE_SEGMENT_ELEMENTS
+    block_n = WIDE_SEGMENT_ELEMENTS if wide else SEGMENT_ELEMENTS
+    segments = triton.cdiv(n_cols + align - 1, block_n)
     # Forward pieces take 2 warps when 16-bit, and also in fp32 while a row has fewer than 32 pieces (fp32 N = 50257:
     # 0.93 of copy against 0.91 with 4 warps on the H100, 0.88 against 0.84 on the H200; from 32 pieces on, 4 warps
-    # win by 0.15-0.2 in fp32). 16-bit backward pieces take 2 warps too (H100, N = 32768 to 262144: 0.94-0.96 against
-    # 0.90-0.94; aligned at N = 50257: 0.92 against 0.90).
+    # win by 0.15-0.2 in fp32). 16-bit backward pieces of 2048 take 2 warps too (H100, N = 32768 to 262144:
+    # 0.94-0.96 against 0.90-0.94; aligned at N = 50257: 0.92 against 0.90); pieces of 4096 take 4.
     if phase == "forward":
         warps = 2 if element_size == 2 or segments < 32 else 4
     else:
-        warps = 2 if element_size == 2 else 4
-    return Plan(1, SEGMENT_ELEMENTS, segments, warps, persistent=True, align=align)
+        warps = 2 if element_size == 2 and not wide else 4
+    return Plan(1, block_n, segments, warps, persistent=True, align=align)
 
 
 @functools.cache
