@@ -108,7 +108,7 @@ for phase, kernel in (("forward", fused.softmax_split_kernel), ("backward", fuse
                 constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
                                   BLOCK_N=plan.block_n, PHASE=fused.FUSED, ALIGN=align)
                 compiled, registers, stack = compile_as_launched(kernel, dtype, constexprs, plan.num_warps)
-                wide_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", compiled.asm["ptx"]))
+                wide_loads = len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4", compiled.asm["ptx"]))
                 print(phase, dtype, n_cols, plan.block_n, align, registers, stack, wide_loads)
 """
 
