@@ -345,7 +345,7 @@ def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
       and the tile falls behind or spills;
     - in the backward holds two rows, y and dy: in fp32 they spill, in 16 bits they fit (``upcast_again``);
     - in a 16-bit forward, only a row that fills it moves enough bytes per program (bf16, the best tile against the
-      best split: 0.96 against 0.91 of copy at N = 32768, 0.78 against 0.84 at N = 20000). The H200 prefers the
+      best split: 0.96 against 0.92 of copy at N = 32768, 0.77 against 0.91 at N = 20000). The H200 prefers the
       split even at 32768 (0.71 against 0.79 in a run with tl.exp): the H100 is the target.
     """
     block = triton.next_power_of_2(n_cols)
@@ -373,8 +373,8 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
         return Plan(rows, block, 1, warps)
     # Rows of a length Triton cannot see is a multiple of 16 start off 16-byte boundaries; aligned pieces (a window up
     # to ALIGN - 1 elements wider than the row, ``row_window``) load 16 bytes at a time again. At N = 50257 on the
-    # H100 that lifts the 16-bit backward from 0.83 to 0.93 of copy, the 16-bit forward from 0.76 to 0.84, fp32 by
-    # about 0.01 (the best shapes of each kind in results/*h100*-tuning-32768-50257.csv).
+    # H100 that lifts the 16-bit backward from 0.84 to 0.96 of copy, the 16-bit forward from 0.78 to 0.90, fp32 by
+    # 0.01-0.02 (the best shapes of each kind in results/*h100*-tuning-32768-50257.csv).
     align = 16 // element_size if n_cols % 16 else 1
     # 16-bit pieces are kept as loaded, half the registers of fp32 ones, so long 16-bit rows take pieces of twice the
     # elements: the same bytes per program as fp32 (H100, bf16, N = 131072 to 262144: forward 0.92-0.94 of copy
