@@ -116,9 +116,9 @@ for phase, kernel in (("forward", fused.softmax_split_kernel), ("backward", fuse
 def test_split_kernels_compile_to_wide_loads_within_registers():
     """Rows of an odd length start off 16-byte boundaries. ALIGN > 1 cuts them so the pieces still load 16 bytes per
     instruction (ALIGN = 1: none do), and the planned pieces stay within 128 registers a thread without spilling, so
-    8 two-warp programs (4 four-warp ones) fit an SM: the split kernels' speed rests on both. 16-bit pieces of 4096
-    fit only because they stay 16-bit until used (``upcast_again``; an fp32 copy takes 145-210 registers). (A 64-bit
-    program index once pushed the 16-bit forward past 200 registers.)"""
+    16 one-warp programs (8 two-warp, 4 four-warp ones) fit an SM: the split kernels' speed rests on both. 16-bit
+    pieces of 4096 fit only because they stay 16-bit until used (``upcast_again``; an fp32 copy takes 145-210
+    registers). (A 64-bit program index once pushed the 16-bit forward past 200 registers.)"""
     out = compile_in_subprocess(SPLIT_KERNELS)
     compiled = [line.split() for line in out.stdout.splitlines()]
     assert len(compiled) == 16, out.stdout
