@@ -11,11 +11,12 @@ Two shapes of kernel, both persistent (a grid sized to fill the GPU once, each p
 The programs of a row must wait for each other. Each writes its partial as one 64-bit word into a slot that starts
 EMPTY, and on a GPU (``PHASE`` 2) readers poll the slots until none is EMPTY. A wait must never be for a program the GPU
 has not started: programs take their place in a row by the order they start (a ticket from one atomic counter), not by
-program id, so a row's programs are always started ahead of anything that waits for them, and the grid is sized to
-what the GPU holds at once (``resident_programs``) so that all of them run together. Triton's
-interpreter runs programs one after another, where a wait would never end, so there the same kernel runs as two
-launches: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes (re-reading x). fp64 partials do not
-fit a 64-bit word; fp64 rows too long for a tile take notebook 05's looped kernels.
+program id, so a row's programs are always started ahead of anything that waits for them, and a split is launched only
+where a row's programs fit on the GPU together, with room to spare (``split_grid``, from the compiled kernel's
+residency, ``compiled_resources``). Rows longer than that, and fp64 rows (their partials do not fit a 64-bit word),
+take the two-pass kernels: statistics, then finish, two launches in which no program waits for another. Triton's
+interpreter runs programs one after another, where a wait would never end, so there a split runs as two launches too:
+``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes (re-reading x).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import kernels
 from .device import INTERPRET
 from .kernels import launch, upcast
 
@@ -42,6 +42,9 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(z) = exp2(z * LOG2E): tl.exp2 sk
 # read once, yet on the H100 this measured 0.01-0.03 of copy faster than the default policy, for tiles and splits,
 # forward and backward, and "evict_first" as much slower (notebook 06).
 KEEP_IN_L2 = tl.constexpr("evict_last")
+# The two-pass kernels store their outputs streaming (evict first), so that they push out of L2 as little as possible
+# of the row still to be read again (H100, one row of 2**22 + 3 fp32: forward 0.78 -> 0.83 of copy, GPU time).
+STREAMING = tl.constexpr(".cs")
 
 
 @triton.jit
@@ -304,6 +307,86 @@ def softmax_backward_split_kernel(
                                   y_edge, dy_edge, SEGMENTS, ALIGN)
 
 
+@triton.jit
+def softmax_two_pass_kernel(
+    y_ptr, x_ptr, m_ptr, d_ptr, x_row_stride, x_col_stride, y_row_stride, n_cols, chunks, chunk_blocks,
+    CHUNKS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Forward for rows too long for a split's programs to be resident together, in two launches in which no program
+    waits for another. ``chunks`` programs share a row, each taking every ``chunks``-th block of BLOCK_N (up to
+    ``chunk_blocks`` of them), so that together they sweep the row from its start to its end. STATISTICS reduces each
+    program's blocks to a partial (m, d): one max per block, the sum kept per lane and rescaled when the max rises
+    (notebook 05). FINISH merges the row's partials and writes y = exp(x - m) / d, reading x again, in the opposite
+    order: programs and blocks from the last, so the re-read starts where STATISTICS ended, in what L2 still holds."""
+    program = tl.program_id(0)
+    if PHASE == FINISH:
+        program = tl.num_programs(0) - 1 - program
+    row, chunk = (program // chunks).to(tl.int64), program % chunks
+    x_row = x_ptr + row * x_row_stride
+    block = tl.arange(0, BLOCK_N)
+    if PHASE == STATISTICS:
+        d = upcast(tl.zeros((BLOCK_N,), x_ptr.dtype.element_ty))  # per lane, in the compute dtype
+        m = tl.max(d, axis=0) - float("inf")
+        for i in range(chunk_blocks):
+            cols = (i * chunks + chunk).to(tl.int64) * BLOCK_N + block  # 64-bit: a row can pass 2**31 elements
+            x = upcast(tl.load(x_row + cols * x_col_stride, mask=cols < n_cols, other=float("-inf"),
+                               eviction_policy=KEEP_IN_L2))
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: nothing to rescale
+            d = d * tl.exp2((m - m_shift) * LOG2E) + tl.exp2((x - m_shift) * LOG2E)
+            m = m_new
+        tl.store(m_ptr + program, m)
+        tl.store(d_ptr + program, tl.sum(d, axis=0))
+    else:
+        parts = tl.arange(0, CHUNKS_POW2)
+        m_parts = tl.load(m_ptr + row * chunks + parts, mask=parts < chunks, other=float("-inf"))
+        d_parts = tl.load(d_ptr + row * chunks + parts, mask=parts < chunks, other=0.0)
+        m_row = tl.max(m_parts, axis=0)
+        d_row = tl.sum(d_parts * tl.exp2((m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)) * LOG2E), axis=0)
+        d_inverse = 1.0 / d_row
+        for i_from_end in range(chunk_blocks):
+            cols = ((chunk_blocks - 1 - i_from_end) * chunks + chunk).to(tl.int64) * BLOCK_N + block
+            mask = cols < n_cols
+            x = upcast(tl.load(x_row + cols * x_col_stride, mask=mask, other=float("-inf"),
+                               eviction_policy=KEEP_IN_L2))
+            tl.store(y_ptr + row * y_row_stride + cols, tl.exp2((x - m_row) * LOG2E) * d_inverse, mask=mask,
+                     cache_modifier=STREAMING)
+
+
+@triton.jit
+def softmax_backward_two_pass_kernel(
+    dx_ptr, y_ptr, dy_ptr, dot_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_cols,
+    chunks, chunk_blocks, CHUNKS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Backward in two launches, swept like the forward: STATISTICS sums y * dy over a program's blocks, FINISH adds
+    up the row's sums and writes dx = y * (dy - sum), in the opposite order."""
+    program = tl.program_id(0)
+    if PHASE == FINISH:
+        program = tl.num_programs(0) - 1 - program
+    row, chunk = (program // chunks).to(tl.int64), program % chunks
+    y_row, dy_row = y_ptr + row * y_row_stride, dy_ptr + row * dy_row_stride
+    block = tl.arange(0, BLOCK_N)
+    if PHASE == STATISTICS:
+        zeros = tl.zeros((BLOCK_N,), tl.float32)
+        dot = upcast(zeros.to(y_ptr.dtype.element_ty)) * upcast(zeros.to(dy_ptr.dtype.element_ty))  # fp64 if either is
+        for i in range(chunk_blocks):
+            cols = (i * chunks + chunk).to(tl.int64) * BLOCK_N + block
+            mask = cols < n_cols
+            y = tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2)
+            dy = tl.load(dy_row + cols * dy_col_stride, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2)
+            dot += upcast(y) * upcast(dy)
+        tl.store(dot_ptr + program, tl.sum(dot, axis=0))
+    else:
+        parts = tl.arange(0, CHUNKS_POW2)
+        dot = tl.sum(tl.load(dot_ptr + row * chunks + parts, mask=parts < chunks, other=0.0), axis=0)
+        for i_from_end in range(chunk_blocks):
+            cols = ((chunk_blocks - 1 - i_from_end) * chunks + chunk).to(tl.int64) * BLOCK_N + block
+            mask = cols < n_cols
+            y = upcast(tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2))
+            dy = upcast(tl.load(dy_row + cols * dy_col_stride, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2))
+            tl.store(dx_ptr + row * dx_row_stride + cols, y * (dy - dot), mask=mask, cache_modifier=STREAMING)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Choosing a kernel and its shape for a row length, and sizing the persistent grid.
 
@@ -360,8 +443,10 @@ def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
     return n_cols % 16 == 0
 
 
-def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
-    """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``.
+def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool = True) -> Plan:
+    """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``. ``wide_pieces=False``:
+    16-bit splits keep pieces of SEGMENT_ELEMENTS (the launch falls back to them where a compiler gives the wide
+    piece more registers than REGISTER_BUDGET).
 
     The shape is compiled into the kernel, so a symbolic row length (torch.compile's dynamic shapes) is made concrete
     here: the compiled graph is then specialised to it."""
@@ -379,7 +464,7 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4) -> Plan:
     # 16-bit pieces are kept as loaded, half the registers of fp32 ones, so long 16-bit rows take pieces of twice the
     # elements: the same bytes per program as fp32 (H100, bf16, N = 131072 to 262144: forward 0.92-0.94 of copy
     # against 0.91-0.92, backward 0.97-0.98 against 0.96-0.97; at 50257 the wider pieces lose).
-    wide = element_size == 2 and n_cols >= 32 * WIDE_SEGMENT_ELEMENTS
+    wide = wide_pieces and element_size == 2 and n_cols >= 32 * WIDE_SEGMENT_ELEMENTS
     block_n = WIDE_SEGMENT_ELEMENTS if wide else SEGMENT_ELEMENTS
     segments = triton.cdiv(n_cols + align - 1, block_n)
     # fp32 forward pieces take 2 warps while a row has fewer than 32 pieces (fp32 N = 50257: 0.93 of copy against 0.91
@@ -399,7 +484,7 @@ def _cuda_driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def resident_programs(compiled, num_warps: int) -> int:
+def resident_programs(compiled, num_warps: int, device: int) -> int:
     """How many programs of a compiled kernel the whole GPU holds at once, as the CUDA driver's occupancy calculator
     counts them from its registers, threads and shared memory (with their allocation granularities and the shared
     memory each program reserves: a count of our own once came out one program per SM too high)."""
@@ -410,29 +495,65 @@ def resident_programs(compiled, num_warps: int) -> int:
         ctypes.c_size_t(compiled.metadata.shared))
     if status != 0:
         raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count * per_sm.value
+    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm.value
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a compiled kernel takes: registers per thread, spilled registers, and programs resident on the GPU."""
+
+    registers: int
+    spills: int
+    resident: int
 
 
 CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every kernel's loop runs several times
-_resident_cache: dict[tuple, int] = {}
+# Triton's interpreter counts as a GPU that holds this many programs, so that on CPU long rows take the two-pass
+# kernels as a small GPU would
+CPU_RESIDENT_PROGRAMS = 64
+REGISTER_BUDGET = 128  # per thread: 16 one-warp programs (8 two-warp ones) fit an SM's 65536 registers
+_resources_cache: dict[tuple, Resources] = {}
 
 
-def _grid_size(kernel, args, constexprs, num_warps: int, work_items: int, group: int, persistent: bool = True) -> int:
-    """Programs to launch: never more than the GPU holds at once (a split needs every program of a row resident),
-    in whole groups of ``group`` programs, never more than there is work for. Not persistent: one per work item."""
-    if not persistent:
-        return work_items
+def compiled_resources(kernel, args, constexprs, num_warps: int, device: torch.device) -> Resources:
+    """The registers, spills and residency of ``kernel`` as compiled for these arguments, read off the compiled
+    kernel on the GPU: they change with the Triton version (a piece of 141 registers on one, 128 on another)."""
     if INTERPRET:
-        return group * min(work_items, CPU_PROGRAMS)
+        return Resources(0, 0, CPU_RESIDENT_PROGRAMS)
     # Compiled for the dtypes alone (no data pointers: under torch.compile the tensors are FakeTensors), with the
     # integers' specialisations (== 1, multiple of 16) kept: a unit column stride changes the code the most.
-    signature = [a.dtype if isinstance(a, torch.Tensor) else int(a) for a in args]
-    key = (kernel.fn.__name__, num_warps, *sorted(constexprs.items()),
+    signature = [a.dtype if isinstance(a, torch.Tensor) else a if isinstance(a, torch.dtype) else int(a) for a in args]
+    key = (kernel.fn.__name__, num_warps, device.index, *sorted(constexprs.items()),
            *(a if isinstance(a, torch.dtype) else (a == 1, a % 16 == 0) for a in signature))
-    if key not in _resident_cache:
+    if key not in _resources_cache:
         compiled = kernel.warmup(*signature, **constexprs, num_warps=num_warps, grid=(1,))
-        _resident_cache[key] = resident_programs(compiled, num_warps)
-    return group * max(1, min(work_items, _resident_cache[key] // group))
+        resident = resident_programs(compiled, num_warps, device.index or 0)
+        _resources_cache[key] = Resources(compiled.n_regs, compiled.n_spills, resident)
+    return _resources_cache[key]
+
+
+def most_resident(num_warps: int, device: torch.device) -> int:
+    """The most programs of ``num_warps`` warps the GPU can hold at once, whatever they take of registers and shared
+    memory: its threads per SM (2048 on an H100, 1024 on a T4) over a program's, times its SMs."""
+    if INTERPRET:
+        return CPU_RESIDENT_PROGRAMS
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count * (properties.max_threads_per_multi_processor // (32 * num_warps))
+
+
+# A split waits only for programs that are resident beside it, with room to spare: the kernel a launch runs can be
+# built with more registers than the one counted (another alignment, torch.compile's own build).
+RESIDENCY_MARGIN = 2
+
+
+def split_grid(segments: int, n_rows: int, resident: int) -> int:
+    """Programs to launch for a split of ``segments`` programs per row on a GPU that holds ``resident`` of them at once:
+    whole groups of a row's programs, at most one group per row and no more than the GPU holds. 0 when a group does
+    not fit RESIDENCY_MARGIN times over: those rows take the two-pass kernels. A wait is then always for a program that
+    is running or can start (programs take their place in start order, ``take_ticket``)."""
+    if segments * RESIDENCY_MARGIN > resident:
+        return 0
+    return segments * min(n_rows, resident // segments)
 
 
 def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -> None:
@@ -441,16 +562,14 @@ def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -
     plan = plan or plan_for(n_cols, "forward", x.element_size())
     strides = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
     if plan.segments == 1:
-        constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
-        args = (y, x, *strides)
-        grid = _grid_size(softmax_tile_kernel, args, constexprs, plan.num_warps, triton.cdiv(n_rows, plan.rows), 1,
-                          plan.persistent or INTERPRET)
-        launch(softmax_tile_kernel, (grid,), *args, **constexprs, num_warps=plan.num_warps)
-    elif x.dtype == torch.float64:  # fp64 partials do not fit a 64-bit word: notebook 05's looped kernel
-        kernels.launch_forward(x, y, kernels.softmax_online_kernel)
-    else:
-        _launch_split(softmax_split_kernel, (y, x, _partials(n_rows, plan, x.device), *strides), plan, n_rows,
-                      _align(plan, x, y))
+        _launch_tile(softmax_tile_kernel, (y, x, *strides), plan, n_rows, x.device)
+        return
+    if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
+        if _launch_split(softmax_split_kernel, (y, x, PARTIALS, *strides), plan, n_rows, _align(plan, x, y), x.device):
+            return
+    m_parts, d_parts = _two_pass_partials(n_rows, n_cols, x.element_size(), x.dtype, x.device, 2)
+    _launch_two_pass(softmax_two_pass_kernel, (y, x, m_parts, d_parts, *strides[:3], n_cols), n_rows, n_cols,
+                     x.element_size())
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
@@ -459,16 +578,31 @@ def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: P
     plan = plan or plan_for(n_cols, "backward", y.element_size())
     strides = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
     if plan.segments == 1:
-        constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
-        args = (dx, y, dy, *strides)
-        grid = _grid_size(softmax_backward_tile_kernel, args, constexprs, plan.num_warps,
-                          triton.cdiv(n_rows, plan.rows), 1, plan.persistent or INTERPRET)
-        launch(softmax_backward_tile_kernel, (grid,), *args, **constexprs, num_warps=plan.num_warps)
-    elif y.dtype == torch.float64 or dy.dtype == torch.float64:
-        kernels.launch_backward(y, dy, dx, kernels.softmax_backward_looped_kernel)
+        _launch_tile(softmax_backward_tile_kernel, (dx, y, dy, *strides), plan, n_rows, y.device)
+        return
+    if torch.float64 not in (y.dtype, dy.dtype):
+        args = (dx, y, dy, PARTIALS, *strides)
+        if _launch_split(softmax_backward_split_kernel, args, plan, n_rows, _align(plan, y, dy, dx), y.device):
+            return
+    dtype = torch.float64 if torch.float64 in (y.dtype, dy.dtype) else torch.float32
+    (dot_parts,) = _two_pass_partials(n_rows, n_cols, y.element_size(), dtype, y.device, 1)
+    _launch_two_pass(softmax_backward_two_pass_kernel, (dx, y, dy, dot_parts, *strides[:5], n_cols), n_rows, n_cols,
+                     y.element_size())
+
+
+def _launch_tile(kernel, args, plan: Plan, n_rows: int, device: torch.device) -> None:
+    constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
+    tiles = triton.cdiv(n_rows, plan.rows)
+    if INTERPRET:
+        grid = min(tiles, CPU_PROGRAMS)
+    elif plan.persistent:
+        grid = min(tiles, compiled_resources(kernel, args, constexprs, plan.num_warps, device).resident)
     else:
-        _launch_split(softmax_backward_split_kernel, (dx, y, dy, _partials(n_rows, plan, y.device), *strides), plan,
-                      n_rows, _align(plan, y, dy, dx))
+        grid = tiles
+    launch(kernel, (grid,), *args, **constexprs, num_warps=plan.num_warps)
+
+
+PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it is allocated: its dtype
 
 
 def _partials(n_rows: int, plan: Plan, device: torch.device) -> torch.Tensor:
@@ -486,10 +620,67 @@ def _align(plan: Plan, *tensors: torch.Tensor) -> int:
     return plan.align if fits else 1
 
 
-def _launch_split(kernel, args, plan: Plan, n_rows: int, align: int) -> None:
-    constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
-                      ALIGN=align)
-    phases = (STATISTICS, FINISH) if INTERPRET else (FUSED,)
-    grid = _grid_size(kernel, args, dict(constexprs, PHASE=phases[-1]), plan.num_warps, n_rows, plan.segments)
-    for phase in phases:
-        launch(kernel, (grid,), *args, **constexprs, PHASE=phase, num_warps=plan.num_warps)
+def needs_narrow_pieces(plan: Plan, registers: int, spills: int) -> bool:
+    """Whether a split of wide 16-bit pieces compiled to more than REGISTER_BUDGET registers a thread, or spilled (as
+    it can with another Triton version): then it takes pieces of SEGMENT_ELEMENTS, which fit."""
+    return plan.block_n == WIDE_SEGMENT_ELEMENTS and (registers > REGISTER_BUDGET or spills > 0)
+
+
+def _launch_split(kernel, args, plan: Plan, n_rows: int, align: int, device: torch.device) -> bool:
+    """Launch a split if a row's programs can be resident together (``split_grid``); False if not. ``args`` holds
+    PARTIALS where the exchange buffer goes: it is allocated only for the plan that runs."""
+    def constexprs_for(plan):
+        return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
+                    ALIGN=align, PHASE=FUSED.value)
+
+    if split_grid(plan.segments, n_rows, most_resident(plan.num_warps, device)) == 0:
+        return False  # more pieces than the GPU could ever hold: no need to compile the split to know
+    resources = compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
+    if needs_narrow_pieces(plan, resources.registers, resources.spills):
+        phase = "forward" if kernel is softmax_split_kernel else "backward"
+        plan = plan_for(args[-1], phase, args[1].element_size(), wide_pieces=False)
+        resources = compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
+    grid = split_grid(plan.segments, n_rows, resources.resident)
+    if grid == 0:
+        return False
+    slot = next(i for i, a in enumerate(args) if a is PARTIALS)
+    args = (*args[:slot], _partials(n_rows, plan, device), *args[slot + 1:])
+    if INTERPRET:  # programs run one after another, where a wait would never end: two launches instead
+        grid = plan.segments * min(n_rows, CPU_PROGRAMS, grid // plan.segments)
+        phases = (STATISTICS, FINISH)
+    else:
+        phases = (FUSED,)
+    for phase in phases:  # PHASE as a plain int: torch.compile writes the launch out as Python source
+        launch(kernel, (grid,), *args, **dict(constexprs_for(plan), PHASE=phase.value), num_warps=plan.num_warps)
+    return True
+
+
+# The two-pass kernels share a row among at most MAX_CHUNKS programs, each taking blocks of TWO_PASS_BLOCK_BYTES with
+# TWO_PASS_WARPS warps: the best of 2 block sizes, 2 warp counts and 3 chunk limits on the H100 (GPU time of single
+# rows of 2**22 + 3 and 2**24 elements, fp32 and bf16: 0.64-0.83 of copy).
+TWO_PASS_BLOCK_BYTES = 16384
+MAX_CHUNKS = 2048
+TWO_PASS_WARPS = 8
+
+
+def two_pass_chunks(n_cols: int, element_size: int) -> tuple[int, int, int]:
+    """(block elements, chunks per row, blocks per chunk) of the two-pass kernels for rows of ``n_cols``."""
+    block_n = TWO_PASS_BLOCK_BYTES // element_size
+    blocks = triton.cdiv(n_cols, block_n)
+    chunk_blocks = triton.cdiv(blocks, MAX_CHUNKS)
+    return block_n, triton.cdiv(blocks, chunk_blocks), chunk_blocks
+
+
+def _two_pass_partials(n_rows: int, n_cols: int, element_size: int, dtype: torch.dtype, device: torch.device,
+                       count: int) -> tuple[torch.Tensor, ...]:
+    """``count`` buffers of one partial per chunk, in the compute dtype (fp64 for fp64, else fp32)."""
+    _, chunks, _ = two_pass_chunks(n_cols, element_size)
+    dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return tuple(torch.empty(n_rows * chunks, dtype=dtype, device=device) for _ in range(count))
+
+
+def _launch_two_pass(kernel, args, n_rows: int, n_cols: int, element_size: int) -> None:
+    block_n, chunks, chunk_blocks = two_pass_chunks(n_cols, element_size)
+    for phase in (STATISTICS, FINISH):
+        launch(kernel, (n_rows * chunks,), *args, chunks, chunk_blocks, CHUNKS_POW2=triton.next_power_of_2(chunks),
+               BLOCK_N=block_n, PHASE=phase.value, num_warps=TWO_PASS_WARPS)

@@ -4,6 +4,9 @@ On a GPU the ops are triton_ops that torch.compile traces into; under Triton's i
 (the interpreter cannot be traced), so there torch.compile calls them whole and the tests say so.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import ON_GPU, randn
@@ -97,3 +100,54 @@ def test_model_trains_like_torch_softmax():
     losses = model.train(config, helpers.softmax, 30, helpers.DEVICE)
     assert losses[-1] < 0.9 * losses[0]  # it learns
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-4)
+
+
+# torch.compile over every kernel shape: a tile (1000), splits (50257, 131072) and the two-pass kernels (2**22 + 3),
+# forward and backward, in a subprocess whose timeout fails the test if a launch waits forever.
+COMPILED_ROWS = r"""
+import sys
+import torch
+import helpers
+from torch._inductor.utils import run_and_get_code
+
+torch._dynamo.config.recompile_limit = 64
+mode = sys.argv[1]
+options = dict(fullgraph=True, dynamic=mode == "dynamic", mode="reduce-overhead" if mode == "cuda-graphs" else None)
+KERNELS = {1000: "softmax_tile_kernel", 50257: "softmax_split_kernel", 131072: "softmax_split_kernel",
+           2**22 + 3: "softmax_two_pass_kernel"}
+
+
+def scaled_softmax(x):
+    return helpers.softmax(x * 0.5, -1)
+
+
+for n_cols, kernel in KERNELS.items():
+    torch._dynamo.reset()
+    compiled = torch.compile(scaled_softmax, **options)
+    for rows in (4, 3) if n_cols < 2**22 else (1, 2):  # a second row count: dynamic shapes, or a recompile
+        x = torch.randn(rows, n_cols, device="cuda", requires_grad=True)
+        dy = torch.randn(rows, n_cols, device="cuda")
+        expected = scaled_softmax(x)
+        (expected_dx,) = torch.autograd.grad(expected, x, dy)
+        for _ in range(3):  # CUDA graphs record on a later call than the first, then replay
+            y = compiled(x)
+            (dx,) = torch.autograd.grad(y, x, dy)
+        torch.testing.assert_close(y, expected, atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(dx, expected_dx, atol=1e-7, rtol=1e-5)
+    if mode == "default":  # Inductor's code launches the course's kernel for this row length
+        torch._dynamo.reset()
+        _, (code, *_) = run_and_get_code(torch.compile(scaled_softmax, fullgraph=True), x.detach())
+        assert kernel in code, (n_cols, kernel)
+    print(n_cols, "ok", flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor compiles the traced Triton kernels only for a GPU")
+@pytest.mark.parametrize("mode", ["default", "dynamic", "cuda-graphs"])
+def test_compiled_every_row_length(mode):
+    try:
+        out = subprocess.run([sys.executable, "-c", COMPILED_ROWS, mode], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"no answer in {expired.timeout} s; finished: {expired.stdout!r}")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert out.stdout.count(" ok") == 4, out.stdout

@@ -1,0 +1,170 @@
+"""Rows of any length never hang: a split (programs that wait for each other) is launched only where a row's programs
+fit on the GPU together; longer rows take the two-pass kernels, where no program waits.
+
+On CPU the rule is checked against the residency of small GPUs, and the two-pass kernels against torch; on a GPU,
+rows of 2**22 + 3, 2**24 and 2**27 elements run in a subprocess whose timeout fails the test instead of hanging it.
+"""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ON_GPU, randn, torch_backward
+
+import helpers
+from helpers import fused
+
+# Programs a small GPU holds at once: 8 SMs with one program each, a T4 (40 SMs) with 1, 4 and 16 per SM.
+SMALL_GPUS = {"8 SMs x 1": 8, "T4 x 1": 40, "T4 x 4": 160, "T4 x 16": 640}
+
+
+@pytest.mark.parametrize("resident", SMALL_GPUS.values(), ids=SMALL_GPUS.keys())
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_split_waits_only_for_resident_programs(resident, phase, element_size):
+    """Every row length up to 2**28, as planned: a split's grid is whole groups of a row's programs, all of them
+    resident together with room to spare, or nothing (the two-pass kernels take the row)."""
+    for n_cols in [2**k + extra for k in range(14, 29) for extra in (-1, 0, 3)]:
+        plan = fused.plan_for(n_cols, phase, element_size)
+        for n_rows in (1, 2, 7, 1000):
+            grid = fused.split_grid(plan.segments, n_rows, resident)
+            assert grid % plan.segments == 0 and grid <= resident, (n_cols, n_rows, grid)
+            if grid:
+                assert plan.segments * fused.RESIDENCY_MARGIN <= resident
+                assert grid // plan.segments <= n_rows
+
+
+@pytest.fixture
+def small_gpu(monkeypatch, looped, request):
+    """A GPU (or the interpreter) that holds ``request.param`` programs, with splits of 16-element pieces and two-pass
+    blocks of 16 fp32 elements, at most 4 chunks a row: launches are recorded as (kernel name, grid, SEGMENTS)."""
+    resources = fused.compiled_resources
+    monkeypatch.setattr(fused, "compiled_resources", lambda *args: dataclasses.replace(resources(*args),
+                                                                                     resident=request.param))
+    monkeypatch.setattr(fused, "TWO_PASS_BLOCK_BYTES", 64)
+    monkeypatch.setattr(fused, "MAX_CHUNKS", 4)
+    launches = []
+
+    def recording_launch(kernel, grid, *args, **options):
+        launches.append((kernel.fn.__name__, grid[0], options.get("SEGMENTS")))
+        return launch(kernel, grid, *args, **options)
+
+    launch = fused.launch
+    monkeypatch.setattr(fused, "launch", recording_launch)
+    return request.param, launches
+
+
+def check(x, dim=-1):
+    """Forward and backward against torch in float64; returns the kernels launched."""
+    y = helpers.softmax_forward(x, dim)
+    tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(x.dtype, 1e-6)
+    torch.testing.assert_close(y.double(), torch.softmax(x.double(), dim), atol=tolerance, rtol=tolerance,
+                               equal_nan=True)
+    dy = randn(*x.shape, dtype=x.dtype, scale=1.0)
+    dx = helpers.softmax_backward(y, dy, dim)
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), atol=tolerance, rtol=tolerance,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("small_gpu", [8, 40], indirect=True, ids=["8 programs", "40 programs"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n_cols", [33, 100, 257, 700])
+def test_long_rows_on_a_small_gpu(small_gpu, dtype, n_cols):
+    resident, launches = small_gpu
+    x = randn(5, n_cols, dtype=dtype)
+    check(x)
+    for name, grid, segments in launches:
+        if "split" in name:
+            assert grid <= resident and grid % segments == 0 and segments * fused.RESIDENCY_MARGIN <= resident
+    for phase in ("forward", "backward"):
+        names = {name for name, *_ in launches if ("backward" in name) == (phase == "backward")}
+        segments = fused.plan_for(n_cols, phase, x.element_size()).segments
+        # fp64 partials never fit a packed word: fp64 rows past a tile always take two passes
+        two_pass = dtype == torch.float64 or segments * fused.RESIDENCY_MARGIN > resident
+        assert len(names) == 1 and ("two_pass" in names.pop()) == two_pass, (phase, names, segments)
+
+
+@pytest.mark.parametrize("small_gpu", [8], indirect=True)
+def test_two_pass_special_values_and_strides(small_gpu):
+    """A chunk of all -inf, an all -inf row, +inf, NaN; transposed rows and zero-stride gradients."""
+    inf = float("inf")
+    x = randn(5, 150)
+    x[0, :70] = -inf  # the first chunks all -inf, finite values later
+    x[1, :] = -inf
+    x[2, 140] = inf
+    x[3, 30] = float("nan")
+    check(x)
+    check(randn(150, 6).t())
+    check(randn(4, 130, 9), 1)
+    y = helpers.softmax_forward(randn(3, 150))
+    dx = helpers.softmax_backward(y, torch.ones((), device=y.device).expand_as(y))
+    torch.testing.assert_close(dx, torch.zeros_like(dx), atol=1e-6, rtol=0)  # sum(y) = 1: dx = y * (1 - 1)
+    assert {name for name, *_ in small_gpu[1]} == {"softmax_two_pass_kernel", "softmax_backward_two_pass_kernel"}
+
+
+def test_two_pass_chunks_cover_the_row():
+    for element_size in (2, 4, 8):
+        for n_cols in (1, 4095, 4096, 4097, 2**22 + 3, 2**24, 2**27, 2**31 + 5):
+            block_n, chunks, chunk_blocks = fused.two_pass_chunks(n_cols, element_size)
+            assert chunks <= fused.MAX_CHUNKS
+            assert chunks * chunk_blocks * block_n >= n_cols > (chunks - 1) * chunk_blocks * block_n
+
+
+# A GPU subprocess: rows far past what a split holds, against torch in float64 (normwise relative error), and their
+# sums. A hang would stop the subprocess at its timeout and fail the test.
+GPU_LONG_ROWS = r"""
+import sys
+import torch
+import helpers
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def error(ours, reference):
+    assert ours.isfinite().all()
+    return ((ours.double() - reference).norm() / reference.norm()).item()
+
+
+for case in sys.argv[1:]:
+    dtype, rows, n_cols = getattr(torch, case.split("x")[0]), *map(int, case.split("x")[1:])
+    x = (torch.randn(rows, n_cols, device="cuda") * 4).to(dtype)
+    y = helpers.softmax_forward(x)
+    reference = torch.softmax(x.double(), -1)
+    assert error(y, reference) < TOLERANCE[dtype], (case, error(y, reference))
+    assert (y.double().sum(-1) - 1).abs().max() < 64 * TOLERANCE[dtype], case
+    dy = torch.randn_like(y)
+    dx = helpers.softmax_backward(y, dy)
+    expected = torch._softmax_backward_data(dy.double(), y.double(), -1, torch.float64)
+    assert error(dx, expected) < TOLERANCE[dtype], (case, error(dx, expected))
+    print(case, "ok", flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the split kernels wait for each other only there")
+@pytest.mark.parametrize("cases", [
+    ["float32x1x4194307", "bfloat16x2x4194304", "float16x1x4194307", "bfloat16x1x4194307"],
+    ["float32x1x16777216", "bfloat16x1x16777216", "float16x1x16777216", "float32x3x16777216"],
+    ["float32x1x134217728", "bfloat16x1x134217728"],
+], ids=["2**22", "2**24", "2**27"])
+def test_long_rows_on_the_gpu(cases):
+    try:
+        out = subprocess.run([sys.executable, "-c", GPU_LONG_ROWS, *cases], capture_output=True, text=True,
+                             timeout=300)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.stdout.count(" ok") == len(cases), out.stdout
+
+
+def test_no_split_is_compiled_for_rows_no_gpu_could_hold(monkeypatch, looped):
+    """Rows cut into more pieces than the GPU has threads for go to the two-pass kernels without compiling the split
+    first: a row of 2**27 fp32 elements would be a split of 65537 pieces, compiled only to be refused."""
+    monkeypatch.setattr(fused, "CPU_RESIDENT_PROGRAMS", 8)
+
+    def compile_nothing(*args):
+        raise AssertionError(f"compiled a split that cannot fit: {args[2]}")
+
+    monkeypatch.setattr(fused, "compiled_resources", compile_nothing)
+    check(randn(3, 200))
