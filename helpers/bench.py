@@ -269,13 +269,46 @@ COURSE_N = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 26214
 GRID_N = [256, 1024, 4096, 16384, 32768, 50257, 65536, 131072, 151936, 262144]
 
 
+# Single rows past what a split holds on chip (the two-pass kernels) and one short of it, and how many rows of each.
+LONG_ROWS = [(1, 2**20), (1, 2**22 + 3), (2, 2**22), (1, 2**24), (1, 2**27)]
+
+
+def sweep_long_rows(dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16), progress: bool = True,
+                    ) -> list[Result]:
+    """The course's ops and torch on LONG_ROWS, forward and backward, with the copy of the same bytes."""
+    from tqdm.auto import tqdm
+
+    from .ops import softmax_backward, softmax_forward
+
+    gpu, date = gpu_name(), datetime.date.today().isoformat()
+    results = []
+    for dtype, (m, n) in tqdm([(d, shape) for d in dtypes for shape in LONG_ROWS], desc="long rows",
+                              disable=not progress):
+        x = (torch.randn(m, n, device=DEVICE) * 4).to(dtype)
+        y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
+        ceiling = copy_gbps(m * n, dtype)
+        impls = {
+            ("forward", "helpers"): functools.partial(softmax_forward, x),
+            ("forward", "torch"): functools.partial(torch.softmax, x, -1),
+            ("backward", "helpers"): functools.partial(softmax_backward, y, dy),
+            ("backward", "torch"): functools.partial(torch._softmax_backward_data, dy, y, -1, y.dtype),
+        }
+        for (phase, name), fn in impls.items():
+            ms = time_ms(fn)
+            n_bytes = ELEMENTS_MOVED[phase] * m * n * x.element_size()
+            results.append(Result(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, ms, gbps(n_bytes, ms),
+                                  ceiling, date))
+    return results
+
+
 def spill_report() -> list[dict]:
     """Registers and spills of every variant of the fused kernels compiled in this process."""
     from . import fused
 
     rows = []
     for kernel in (fused.softmax_tile_kernel, fused.softmax_split_kernel, fused.softmax_backward_tile_kernel,
-                   fused.softmax_backward_split_kernel):
+                   fused.softmax_backward_split_kernel, fused.softmax_two_pass_kernel,
+                   fused.softmax_backward_two_pass_kernel):
         for compiled in kernel.device_caches[torch.cuda.current_device()][0].values():
             compiled._init_handles()
             constants = {k[0] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()}
@@ -292,6 +325,10 @@ def main() -> None:
     results += sweep(GRID_N, args.total_elements, dtypes=(torch.float32, torch.bfloat16, torch.float16), peers=True)
     path = save_results(results)
     print(f"wrote {len(results)} rows to {path}")
+    long_rows = sweep_long_rows()
+    print(f"wrote {len(long_rows)} rows to {save_results(long_rows, path.with_name(path.stem + '-long-rows.csv'))}")
+    for r in select(long_rows, impl="helpers"):
+        print(f"{r.phase:8s} {r.dtype:8s} {r.M} x {r.N:9d} helpers {r.gbps / r.copy_gbps:5.2f} of copy")
     spills = spill_report()
     with path.with_name(path.stem + "-spills.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(spills[0]))
