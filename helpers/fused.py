@@ -656,8 +656,8 @@ def _launch_split(kernel, args, plan: Plan, n_rows: int, align: int, device: tor
 
 
 # The two-pass kernels share a row among at most MAX_CHUNKS programs, each taking blocks of TWO_PASS_BLOCK_BYTES with
-# TWO_PASS_WARPS warps: the best of 2 block sizes, 2 warp counts and 3 chunk limits on the H100 (GPU time of single
-# rows of 2**22 + 3 and 2**24 elements, fp32 and bf16: 0.64-0.83 of copy).
+# TWO_PASS_WARPS warps: the best of 2 block sizes, 2 warp counts and 2 chunk limits on the H100 for single rows of
+# 2**22 + 3 and 2**24 elements, fp32 and bf16 (results/nvidia-h100-80gb-hbm3-long-rows-tuning.md).
 TWO_PASS_BLOCK_BYTES = 16384
 MAX_CHUNKS = 2048
 TWO_PASS_WARPS = 8
