@@ -72,6 +72,7 @@ def test_kernels_compile(arch, dtype):
         guarded, plain = exponentials[name]
         assert guarded == 0 and plain > 0, (name, exponentials[name])
 
+
 AS_LAUNCHED_ON_H100 = r"""
 import re
 import helpers, triton
