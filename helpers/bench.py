@@ -220,11 +220,12 @@ def results_path(gpu: str) -> Path:
     return RESULTS_DIR / (re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".csv")
 
 
-def save_results(results: list[Result], path: Path | None = None) -> Path:
+def save_results(results: list, path: Path | None = None) -> Path:
+    """Write ``results`` (Result or Latency rows) as CSV, by default to results/<gpu>.csv."""
     path = path or results_path(results[0].gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[field.name for field in fields(Result)])
+        writer = csv.DictWriter(f, fieldnames=[field.name for field in fields(results[0])])
         writer.writeheader()
         writer.writerows(asdict(r) for r in results)
     return path
@@ -301,6 +302,105 @@ def sweep_long_rows(dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat
     return results
 
 
+# Few rows over a language model's vocabulary: sampling and decode, where a call is latency-bound, not bandwidth-bound.
+DECODE_M = [1, 8, 64]
+DECODE_N = [32000, 128256, 151936, 262144]  # Llama 2, Llama 3, Qwen, Gemma vocabularies
+# Tiny calls whose GPU time is negligible, for the host's time per call: a tile and a split, fp32 and bf16
+HOST_SHAPES = [(1, 1024), (1, 65536)]
+
+
+@dataclass
+class Latency:
+    """Microseconds per call: ``measure`` is "host" (CPU time to issue a call, ``cpu_ms_per_call``), "eager" (calls
+    back to back, ``time_ms``: the larger of host and GPU time) or "graph" (the call captured in a CUDA graph: GPU
+    time and the graph's own launch)."""
+
+    gpu: str
+    impl: str
+    phase: str
+    dtype: str
+    M: int
+    N: int
+    measure: str
+    us: float
+    date: str
+
+
+def _quack():
+    """QuACK's softmax module (Dao-AILab's CuTe-DSL kernels) when it is installed, else None."""
+    try:
+        from quack import softmax as quack_softmax
+    except ImportError:
+        return None
+    return quack_softmax
+
+
+def latency_impls(phase: str) -> dict[str, Callable[..., Callable[[], object]]]:
+    """The course's public ops, torch eager, torch.compile, and Liger and QuACK when installed: each takes (x, y, dy)
+    and returns a closure that runs one call of ``phase``."""
+    from .ops import softmax_backward, softmax_forward
+
+    if phase == "forward":
+        impls = {"helpers": lambda x, y, dy: functools.partial(softmax_forward, x),
+                 "torch": lambda x, y, dy: functools.partial(torch.softmax, x, -1),
+                 "compile": lambda x, y, dy: functools.partial(_compiled("forward"), x)}
+        if (liger := _liger()) is not None:
+            impls["liger"] = lambda x, y, dy: functools.partial(liger._softmax_forward, x)
+        if (quack := _quack()) is not None:
+            impls["quack"] = lambda x, y, dy: functools.partial(quack.softmax_fwd, x)
+        return impls
+    impls = {"helpers": lambda x, y, dy: functools.partial(softmax_backward, y, dy),
+             "torch": lambda x, y, dy: functools.partial(torch._softmax_backward_data, dy, y, -1, y.dtype),
+             "compile": lambda x, y, dy: functools.partial(_compiled("backward"), y, dy)}
+    if (liger := _liger()) is not None:
+        impls["liger"] = lambda x, y, dy: (lambda settings: lambda: liger._softmax_backward(dy, y, *settings))(
+            liger._softmax_forward(x)[1:])
+    if (quack := _quack()) is not None:
+        impls["quack"] = lambda x, y, dy: functools.partial(quack.softmax_bwd, dy, y)
+    return impls
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """Microseconds per replay of ``fn`` captured in a CUDA graph: the GPU's time for the call, host cost gone."""
+    fn()  # compiles and plans outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay) * 1e3
+
+
+def sweep_latency(dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float32), progress: bool = True,
+                  impls: Iterable[str] | None = None) -> list[Latency]:
+    """Host time per call on HOST_SHAPES, and eager latency on the decode grid (DECODE_M x DECODE_N), forward and
+    backward, for the course and every peer installed; the course's decode calls also inside a CUDA graph."""
+    from tqdm.auto import tqdm
+
+    gpu, date = gpu_name(), datetime.date.today().isoformat()
+    cases = [("host", dtype, shape) for dtype in dtypes for shape in HOST_SHAPES]
+    cases += [("eager", dtype, (m, n)) for dtype in dtypes for n in DECODE_N for m in DECODE_M]
+    results = []
+    for measure, dtype, (m, n) in tqdm(cases, desc="latency", disable=not progress):
+        x = (torch.randn(m, n, device=DEVICE) * 4).to(dtype)
+        y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
+        for phase in ("forward", "backward"):
+            for name, make in latency_impls(phase).items():
+                if (measure == "host" and name not in ("helpers", "torch", "quack")) or (
+                        impls is not None and name not in impls):
+                    continue
+                try:
+                    fn = make(x, y, dy)
+                    timings = {measure: cpu_ms_per_call(fn) * 1e3 if measure == "host" else time_ms(fn) * 1e3}
+                    if measure == "eager" and name == "helpers":
+                        timings["graph"] = graph_us(fn)
+                except Exception as error:  # a peer that refuses a shape (QuACK: rows not a multiple of 16 bytes)
+                    print(f"{name} {phase} {dtype} {m} x {n}: {type(error).__name__}: {str(error)[:100]}")
+                    continue
+                for kind, us in timings.items():
+                    results.append(Latency(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, kind, us, date))
+    return results
+
+
 def spill_report() -> list[dict]:
     """Registers and spills of every variant of the fused kernels compiled in this process."""
     from . import fused
@@ -317,29 +417,44 @@ def spill_report() -> list[dict]:
     return rows
 
 
+PARTS = ("grid", "long-rows", "latency")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-elements", type=int, default=2**27, help="M * N of every input (default 2**27)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which sweeps to run (default all)")
     args = parser.parse_args()
-    results = sweep(COURSE_N, args.total_elements, dtypes=(torch.float32, torch.bfloat16))
-    results += sweep(GRID_N, args.total_elements, dtypes=(torch.float32, torch.bfloat16, torch.float16), peers=True)
-    path = save_results(results)
-    print(f"wrote {len(results)} rows to {path}")
-    long_rows = sweep_long_rows()
-    print(f"wrote {len(long_rows)} rows to {save_results(long_rows, path.with_name(path.stem + '-long-rows.csv'))}")
-    for r in select(long_rows, impl="helpers"):
-        print(f"{r.phase:8s} {r.dtype:8s} {r.M} x {r.N:9d} helpers {r.gbps / r.copy_gbps:5.2f} of copy")
+    path = results_path(gpu_name())
+    if "grid" in args.parts:
+        results = sweep(COURSE_N, args.total_elements, dtypes=(torch.float32, torch.bfloat16))
+        results += sweep(GRID_N, args.total_elements, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                         peers=True)
+        print(f"wrote {len(results)} rows to {save_results(results, path)}")
+        for r in select(results, impl="helpers"):
+            best_peer = max((p.gbps for p in select(results, phase=r.phase, dtype=r.dtype, N=r.N)
+                             if p.impl in ("torch", "compile", "liger")), default=0.0)
+            print(f"{r.phase:8s} {r.dtype:8s} N={r.N:6d} helpers {r.gbps / r.copy_gbps:5.2f} of copy, "
+                  f"best peer {best_peer / r.copy_gbps:5.2f}")
+    if "long-rows" in args.parts:
+        long_rows = sweep_long_rows()
+        print(f"wrote {len(long_rows)} rows to {save_results(long_rows, path.with_name(path.stem + '-long-rows.csv'))}")
+        for r in select(long_rows, impl="helpers"):
+            print(f"{r.phase:8s} {r.dtype:8s} {r.M} x {r.N:9d} helpers {r.gbps / r.copy_gbps:5.2f} of copy")
+    if "latency" in args.parts:
+        latency = sweep_latency()
+        print(f"wrote {len(latency)} rows to {save_results(latency, path.with_name(path.stem + '-latency.csv'))}")
+        for r in select(latency, impl="helpers"):
+            peers = {p.impl: p.us for p in select(latency, phase=r.phase, dtype=r.dtype, M=r.M, N=r.N,
+                                                  measure=r.measure) if p.impl != "helpers"}
+            print(f"{r.measure:5s} {r.phase:8s} {r.dtype:8s} {r.M:2d} x {r.N:6d} helpers {r.us:6.1f} us  "
+                  + "  ".join(f"{name} {us:6.1f}" for name, us in peers.items()))
     spills = spill_report()
     with path.with_name(path.stem + "-spills.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(spills[0]))
         writer.writeheader()
         writer.writerows(spills)
     print(f"fused kernels compiled: {len(spills)}, with spills: {sum(r['n_spills'] > 0 for r in spills)}")
-    for r in select(results, impl="helpers"):
-        best_peer = max((p.gbps for p in select(results, phase=r.phase, dtype=r.dtype, N=r.N)
-                         if p.impl in ("torch", "compile", "liger")), default=0.0)
-        print(f"{r.phase:8s} {r.dtype:8s} N={r.N:6d} helpers {r.gbps / r.copy_gbps:5.2f} of copy, "
-              f"best peer {best_peer / r.copy_gbps:5.2f}")
 
 
 if __name__ == "__main__":

@@ -556,68 +556,169 @@ def split_grid(segments: int, n_rows: int, resident: int) -> int:
     return segments * min(n_rows, resident // segments)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Launching. What a call launches (kernels, grids, scratch buffers) depends only on its tensors' layout, so it is worked
+# out once per layout into a Recipe and cached. A repeat call then allocates its buffers and launches the compiled
+# kernels directly: no planning, and none of the argument binding Triton's launcher redoes on every call.
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A call's scratch tensor: ``numel`` elements of ``dtype``, filled with ``fill`` (None: left uninitialised)."""
+
+    numel: int
+    dtype: torch.dtype
+    fill: int | None = None
+
+    def allocate(self, device: torch.device, stream: int | None = None) -> torch.Tensor:
+        """With ``stream`` (a plain call on a GPU), an EMPTY fill is one driver memset on it: ``torch.full`` costs the
+        host 10 us a call, several times a launch."""
+        if self.fill is None:
+            return torch.empty(self.numel, dtype=self.dtype, device=device)
+        if stream is None:
+            return torch.full((self.numel,), self.fill, dtype=self.dtype, device=device)
+        assert self.fill == EMPTY.value and self.dtype == torch.int64  # all ones: a 32-bit pattern, twice a slot
+        buffer = torch.empty(self.numel, dtype=self.dtype, device=device)
+        status = _cuda_driver().cuMemsetD32Async(ctypes.c_uint64(buffer.data_ptr()), ctypes.c_uint(0xFFFFFFFF),
+                                                 ctypes.c_size_t(2 * self.numel), ctypes.c_void_p(stream))
+        if status != 0:
+            raise RuntimeError(f"cuMemsetD32Async failed with CUDA error {status}")
+        return buffer
+
+
+@dataclass
+class Step:
+    """One launch of a call: ``kernel`` on ``grid`` programs. Its tensor arguments come first, named by their index in
+    the call's tensors (its operands, then its buffers); then the integers ``ints``, then ``constexprs``."""
+
+    kernel: triton.runtime.JITFunction
+    grid: int
+    tensors: tuple[int, ...]
+    ints: tuple
+    constexprs: dict
+    num_warps: int
+    runner: object = None  # the compiled kernel's launcher for this grid, after the first direct launch ...
+    constants: tuple = ()  # ... and the constexprs' values in the kernel's argument order, which it takes
+
+    def launch(self, tensors: tuple[torch.Tensor, ...], stream: int | None) -> None:
+        """Launch on ``tensors``: directly on ``stream`` (a plain call on a GPU), else through ``kernels.launch``."""
+        if stream is None:  # traced tensors or the interpreter
+            launch(self.kernel, (self.grid,), *[tensors[i] for i in self.tensors], *self.ints, **self.constexprs,
+                   num_warps=self.num_warps)
+            return
+        if self.runner is None:  # compiles, or finds the kernel in Triton's cache
+            args = (*[tensors[i] for i in self.tensors], *self.ints)
+            compiled = self.kernel.warmup(*args, **self.constexprs, grid=(self.grid,), num_warps=self.num_warps)
+            self.runner = compiled[(self.grid, 1, 1)]
+            self.constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(args):])
+        # pointers as addresses: handed a tensor, the launcher asks the driver about each pointer (1-2 us apiece)
+        self.runner(*[tensors[i].data_ptr() for i in self.tensors], *self.ints, *self.constants, stream=stream)
+
+
+@dataclass
+class Recipe:
+    """Everything one call launches: its scratch buffers, and its steps in order."""
+
+    buffers: tuple[Buffer, ...]
+    steps: tuple[Step, ...]
+
+    def run(self, operands: tuple[torch.Tensor, ...]) -> None:
+        device = operands[0].device
+        stream = None  # launches through Triton's JIT (traced tensors, the interpreter)
+        if not INTERPRET and all(type(t) is torch.Tensor for t in operands):
+            stream = triton.runtime.driver.active.get_current_stream(device.index)  # torch's current stream
+        tensors = (*operands, *[buffer.allocate(device, stream) for buffer in self.buffers])
+        for step in self.steps:
+            step.launch(tensors, stream)
+
+
+_recipes: dict[tuple, Recipe] = {}
+MAX_RECIPES = 4096  # layouts remembered before the cache starts over
+
+
+def _recipe(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> Recipe:
+    """``build(*operands, plan)``, cached per layout: shape, device, and each tensor's strides, dtype and whether it
+    starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be symbolic, are
+    planned afresh: torch.compile traces a call once."""
+    if not all(type(t) is torch.Tensor for t in operands):
+        return build(*operands, plan)
+    key = (build, plan, operands[0].shape, operands[0].get_device(),
+           *[(t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in operands])
+    recipe = _recipes.get(key)
+    if recipe is None:
+        if len(_recipes) >= MAX_RECIPES:
+            _recipes.clear()
+        recipe = _recipes[key] = build(*operands, plan)
+    return recipe
+
+
 def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -> None:
     """Softmax of the rows of the 2-D ``x`` into the contiguous 2-D ``y`` with the fused kernels."""
-    n_rows, n_cols = x.shape
-    plan = plan or plan_for(n_cols, "forward", x.element_size())
-    strides = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
-    if plan.segments == 1:
-        _launch_tile(softmax_tile_kernel, (y, x, *strides), plan, n_rows, x.device)
-        return
-    if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
-        if _launch_split(softmax_split_kernel, (y, x, PARTIALS, *strides), plan, n_rows, _align(plan, x, y), x.device):
-            return
-    m_parts, d_parts = _two_pass_partials(n_rows, n_cols, x.element_size(), x.dtype, x.device, 2)
-    _launch_two_pass(softmax_two_pass_kernel, (y, x, m_parts, d_parts, *strides[:3], n_cols), n_rows, n_cols,
-                     x.element_size())
+    _recipe(_forward_recipe, (y, x), plan).run((y, x))
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
     """dx of the rows of the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx`` with the fused kernels."""
+    _recipe(_backward_recipe, (dx, y, dy), plan).run((dx, y, dy))
+
+
+def _forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: Plan | None) -> Recipe:
+    n_rows, n_cols = x.shape
+    plan = plan or plan_for(n_cols, "forward", x.element_size())
+    ints = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
+    if plan.segments == 1:
+        return _tile_recipe(softmax_tile_kernel, (y, x), ints, plan)
+    if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
+        recipe = _split_recipe(softmax_split_kernel, (y, x), ints, plan)
+        if recipe is not None:
+            return recipe
+    return _two_pass_recipe(softmax_two_pass_kernel, (y, x), ints[:3], n_rows, n_cols, partials=2)
+
+
+def _backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: Plan | None) -> Recipe:
     n_rows, n_cols = y.shape
     plan = plan or plan_for(n_cols, "backward", y.element_size())
-    strides = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
+    ints = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
     if plan.segments == 1:
-        _launch_tile(softmax_backward_tile_kernel, (dx, y, dy, *strides), plan, n_rows, y.device)
-        return
+        return _tile_recipe(softmax_backward_tile_kernel, (dx, y, dy), ints, plan)
     if torch.float64 not in (y.dtype, dy.dtype):
-        args = (dx, y, dy, PARTIALS, *strides)
-        if _launch_split(softmax_backward_split_kernel, args, plan, n_rows, _align(plan, y, dy, dx), y.device):
-            return
-    dtype = torch.float64 if torch.float64 in (y.dtype, dy.dtype) else torch.float32
-    (dot_parts,) = _two_pass_partials(n_rows, n_cols, y.element_size(), dtype, y.device, 1)
-    _launch_two_pass(softmax_backward_two_pass_kernel, (dx, y, dy, dot_parts, *strides[:5], n_cols), n_rows, n_cols,
-                     y.element_size())
+        recipe = _split_recipe(softmax_backward_split_kernel, (dx, y, dy), ints, plan)
+        if recipe is not None:
+            return recipe
+    return _two_pass_recipe(softmax_backward_two_pass_kernel, (dx, y, dy), ints[:5], n_rows, n_cols, partials=1)
 
 
-def _launch_tile(kernel, args, plan: Plan, n_rows: int, device: torch.device) -> None:
+def _tile_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: Plan) -> Recipe:
+    n_rows = ints[-2]
     constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
     tiles = triton.cdiv(n_rows, plan.rows)
     if INTERPRET:
         grid = min(tiles, CPU_PROGRAMS)
     elif plan.persistent:
-        grid = min(tiles, compiled_resources(kernel, args, constexprs, plan.num_warps, device).resident)
+        resources = compiled_resources(kernel, (*operands, *ints), constexprs, plan.num_warps, operands[0].device)
+        grid = min(tiles, resources.resident)
     else:
         grid = tiles
-    launch(kernel, (grid,), *args, **constexprs, num_warps=plan.num_warps)
+    return Recipe((), (Step(kernel, grid, tuple(range(len(operands))), ints, constexprs, plan.num_warps),))
 
 
 PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it is allocated: its dtype
 
 
-def _partials(n_rows: int, plan: Plan, device: torch.device) -> torch.Tensor:
-    """A split's exchange buffer: ``segments`` EMPTY slots per row, then the ticket counter (also EMPTY, -1)."""
-    return torch.full((n_rows * plan.segments + 1,), EMPTY.value, dtype=torch.int64, device=device)
-
-
 def _align(plan: Plan, *tensors: torch.Tensor) -> int:
     """A split's ALIGN: the plan's, when all the tensors have one element size, unit column strides, one row stride
-    (so one window fits every row of every tensor) and start on 16 bytes from their storage (allocations do), so that
-    a multiple of ALIGN elements from a tensor's start is a 16-byte boundary in memory; else 1."""
+    (so one window fits every row of every tensor) and start on 16 bytes, so that a multiple of ALIGN elements from a
+    tensor's start is a 16-byte boundary in memory; else 1."""
     row_stride, size = tensors[0].stride(0), tensors[0].element_size()
-    fits = all(t.element_size() == size and t.stride(1) == 1 and t.stride(0) == row_stride
-               and t.storage_offset() * size % 16 == 0 for t in tensors)
+    fits = all(t.element_size() == size and t.stride(1) == 1 and t.stride(0) == row_stride and _on_16_bytes(t)
+               for t in tensors)
     return plan.align if fits else 1
+
+
+def _on_16_bytes(t: torch.Tensor) -> bool:
+    if type(t) is torch.Tensor:
+        return t.data_ptr() % 16 == 0
+    return t.storage_offset() * t.element_size() % 16 == 0  # traced: where it starts in storage (allocations do)
 
 
 def needs_narrow_pieces(plan: Plan, registers: int, spills: int) -> bool:
@@ -626,33 +727,38 @@ def needs_narrow_pieces(plan: Plan, registers: int, spills: int) -> bool:
     return plan.block_n == WIDE_SEGMENT_ELEMENTS and (registers > REGISTER_BUDGET or spills > 0)
 
 
-def _launch_split(kernel, args, plan: Plan, n_rows: int, align: int, device: torch.device) -> bool:
-    """Launch a split if a row's programs can be resident together (``split_grid``); False if not. ``args`` holds
-    PARTIALS where the exchange buffer goes: it is allocated only for the plan that runs."""
+def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: Plan) -> Recipe | None:
+    """A split, if a row's programs can be resident together (``split_grid``); None if not. Its exchange buffer, a
+    Buffer of EMPTY slots then the ticket counter (also EMPTY, -1), follows the operands in the kernel's arguments."""
+    n_rows, n_cols = ints[-2:]
+    device = operands[0].device
+    align = _align(plan, *operands)
+
     def constexprs_for(plan):
         return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
                     ALIGN=align, PHASE=FUSED.value)
 
     if split_grid(plan.segments, n_rows, most_resident(plan.num_warps, device)) == 0:
-        return False  # more pieces than the GPU could ever hold: no need to compile the split to know
+        return None  # more pieces than the GPU could ever hold: no need to compile the split to know
+    args = (*operands, PARTIALS, *ints)
     resources = compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
     if needs_narrow_pieces(plan, resources.registers, resources.spills):
         phase = "forward" if kernel is softmax_split_kernel else "backward"
-        plan = plan_for(args[-1], phase, args[1].element_size(), wide_pieces=False)
+        plan = plan_for(n_cols, phase, operands[1].element_size(), wide_pieces=False)
         resources = compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
     grid = split_grid(plan.segments, n_rows, resources.resident)
     if grid == 0:
-        return False
-    slot = next(i for i, a in enumerate(args) if a is PARTIALS)
-    args = (*args[:slot], _partials(n_rows, plan, device), *args[slot + 1:])
+        return None
     if INTERPRET:  # programs run one after another, where a wait would never end: two launches instead
         grid = plan.segments * min(n_rows, CPU_PROGRAMS, grid // plan.segments)
         phases = (STATISTICS, FINISH)
     else:
         phases = (FUSED,)
-    for phase in phases:  # PHASE as a plain int: torch.compile writes the launch out as Python source
-        launch(kernel, (grid,), *args, **dict(constexprs_for(plan), PHASE=phase.value), num_warps=plan.num_warps)
-    return True
+    partials = Buffer(n_rows * plan.segments + 1, torch.int64, EMPTY.value)
+    tensors = tuple(range(len(operands) + 1))
+    # PHASE as a plain int: torch.compile writes the launch out as Python source
+    return Recipe((partials,), tuple(Step(kernel, grid, tensors, ints, dict(constexprs_for(plan), PHASE=phase.value),
+                                          plan.num_warps) for phase in phases))
 
 
 # The two-pass kernels share a row among at most MAX_CHUNKS programs, each taking blocks of TWO_PASS_BLOCK_BYTES with
@@ -671,16 +777,15 @@ def two_pass_chunks(n_cols: int, element_size: int) -> tuple[int, int, int]:
     return block_n, triton.cdiv(blocks, chunk_blocks), chunk_blocks
 
 
-def _two_pass_partials(n_rows: int, n_cols: int, element_size: int, dtype: torch.dtype, device: torch.device,
-                       count: int) -> tuple[torch.Tensor, ...]:
-    """``count`` buffers of one partial per chunk, in the compute dtype (fp64 for fp64, else fp32)."""
-    _, chunks, _ = two_pass_chunks(n_cols, element_size)
-    dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return tuple(torch.empty(n_rows * chunks, dtype=dtype, device=device) for _ in range(count))
-
-
-def _launch_two_pass(kernel, args, n_rows: int, n_cols: int, element_size: int) -> None:
-    block_n, chunks, chunk_blocks = two_pass_chunks(n_cols, element_size)
-    for phase in (STATISTICS, FINISH):
-        launch(kernel, (n_rows * chunks,), *args, chunks, chunk_blocks, CHUNKS_POW2=triton.next_power_of_2(chunks),
-               BLOCK_N=block_n, PHASE=phase.value, num_warps=TWO_PASS_WARPS)
+def _two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], strides: tuple, n_rows: int, n_cols: int,
+                     partials: int) -> Recipe:
+    """STATISTICS then FINISH, sharing ``partials`` buffers of one partial per chunk, in the compute dtype (fp64 where
+    an operand is fp64, else fp32); they follow the operands in the kernel's arguments."""
+    block_n, chunks, chunk_blocks = two_pass_chunks(n_cols, operands[1].element_size())
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in operands) else torch.float32
+    buffers = tuple(Buffer(n_rows * chunks, dtype) for _ in range(partials))
+    tensors = tuple(range(len(operands) + partials))
+    return Recipe(buffers, tuple(
+        Step(kernel, n_rows * chunks, tensors, (*strides, n_cols, chunks, chunk_blocks),
+             dict(CHUNKS_POW2=triton.next_power_of_2(chunks), BLOCK_N=block_n, PHASE=phase.value), TWO_PASS_WARPS)
+        for phase in (STATISTICS, FINISH)))

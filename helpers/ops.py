@@ -34,20 +34,26 @@ def _dim_index(dim: int, ndim: int) -> int:
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """The 2-D (rows, N) view of ``t`` with ``dim`` last; a copy only when strides cannot express it."""
-    moved = t.reshape(1) if t.ndim == 0 else t.movedim(dim, -1)
+    if t.ndim == 2 and dim == 1:
+        return t  # already rows: each view op below costs the host a microsecond or two
+    moved = t.reshape(1) if t.ndim == 0 else t if dim == t.ndim - 1 else t.movedim(dim, -1)
     return moved.reshape(-1, moved.shape[-1])
 
 
 def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
     """Undo ``_rows``: view the contiguous rows back in ``like``'s shape."""
+    if like.ndim == 2 and dim == 1:
+        return rows
     if like.ndim == 0:
         return rows.reshape(())
+    if dim == like.ndim - 1:
+        return rows.view(like.shape)
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
 def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:
     """Output storage. Tests replace this with a NaN-filled version so unwritten elements show."""
-    return torch.empty((n_rows, n_cols), dtype=like.dtype, device=like.device)
+    return like.new_empty((n_rows, n_cols))
 
 
 # The operators. On a GPU they are ``torch.library.triton_op``s: torch.compile sees through them to the kernel launches
@@ -87,13 +93,10 @@ _softmax_op = _operator("softmax_course::softmax", _forward)
 _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 
-def _plain_call(*tensors: torch.Tensor) -> bool:
-    """Whether a call can run the operator's body directly: nothing traces it (torch.compile, or tensor subclasses
-    such as FakeTensors) and autograd has nothing to record. The operator's dispatcher adds Python time to every
-    call: issuing a bf16 forward of 2**27 elements took the H100 machine's CPU 0.19 ms through it and 0.16 ms
-    directly, while the kernel takes 0.20 ms on the GPU (notebook 06)."""
-    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors) and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+def _traced(*tensors: torch.Tensor) -> bool:
+    """Whether torch.compile is tracing the call, or a tensor is a subclass (FakeTensors, ...): then the operator
+    runs, for the tracer to see. Plain calls skip its dispatcher, which adds Python time to every call."""
+    return torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -105,7 +108,11 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
-    return _forward(x, dim) if _plain_call(x) else _softmax_op(x, dim)
+    if _traced(x):
+        return _softmax_op(x, dim)
+    if x.requires_grad and torch.is_grad_enabled():
+        return Softmax.apply(x, dim)  # the operator's autograd, without its dispatcher; its forward comes back here
+    return _forward(x, dim)
 
 
 def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -121,7 +128,9 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
-    return _backward(y, dy, dim) if _plain_call(y, dy) else _softmax_backward_op(y, dy, dim)
+    if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
+        return _softmax_backward_op(y, dy, dim)
+    return _backward(y, dy, dim)
 
 
 class Softmax(torch.autograd.Function):

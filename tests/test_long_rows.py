@@ -47,12 +47,12 @@ def small_gpu(monkeypatch, looped, request):
     monkeypatch.setattr(fused, "MAX_CHUNKS", 4)
     launches = []
 
-    def recording_launch(kernel, grid, *args, **options):
-        launches.append((kernel.fn.__name__, grid[0], options.get("SEGMENTS")))
-        return launch(kernel, grid, *args, **options)
+    def recording_launch(step, *args):
+        launches.append((step.kernel.fn.__name__, step.grid, step.constexprs.get("SEGMENTS")))
+        return launch(step, *args)
 
-    launch = fused.launch
-    monkeypatch.setattr(fused, "launch", recording_launch)
+    launch = fused.Step.launch
+    monkeypatch.setattr(fused.Step, "launch", recording_launch)
     return request.param, launches
 
 
