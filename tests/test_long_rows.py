@@ -161,7 +161,7 @@ def test_long_rows_on_the_gpu(cases):
 def test_no_split_is_compiled_for_rows_no_gpu_could_hold(monkeypatch, looped):
     """Rows cut into more pieces than the GPU has threads for go to the two-pass kernels without compiling the split
     first: a row of 2**27 fp32 elements would be a split of 65537 pieces, compiled only to be refused."""
-    monkeypatch.setattr(fused, "CPU_RESIDENT_PROGRAMS", 8)
+    monkeypatch.setattr(fused, "most_resident", lambda num_warps, device: 8)  # a GPU of 8 programs at most
 
     def compile_nothing(*args):
         raise AssertionError(f"compiled a split that cannot fit: {args[2]}")
