@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ON_GPU, randn
+from conftest import ON_GPU, randn, traced_by_torch
 
 import helpers
 from helpers import model
@@ -76,6 +76,7 @@ def compiled_against_eager(backend: str) -> None:
     torch.testing.assert_close(dq, expected_dq)
 
 
+@traced_by_torch
 def test_compiled_aot_eager():
     """AOTAutograd traces forward and backward together and runs the result eagerly."""
     compiled_against_eager("aot_eager")
@@ -84,6 +85,7 @@ def test_compiled_aot_eager():
 @pytest.mark.skipif(not ON_GPU, reason="Inductor compiles the Triton kernels it traces for a GPU; Triton's "
                     "interpreter cannot be traced, so on CPU the op is opaque and Inductor would only call it "
                     "(test_compiled_aot_eager covers that path)")
+@traced_by_torch
 def test_compiled_inductor_traces_the_kernels():
     from torch._inductor.utils import run_and_get_code
 
@@ -143,7 +145,7 @@ for n_cols, kernel in KERNELS.items():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Inductor compiles the traced Triton kernels only for a GPU")
-@pytest.mark.parametrize("mode", ["default", "dynamic", "cuda-graphs"])
+@pytest.mark.parametrize("mode", [pytest.param("default", marks=traced_by_torch), "dynamic", "cuda-graphs"])
 def test_compiled_every_row_length(mode):
     try:
         out = subprocess.run([sys.executable, "-c", COMPILED_ROWS, mode], capture_output=True, text=True, timeout=600)
