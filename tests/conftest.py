@@ -1,10 +1,9 @@
 """Shared test setup: sizes that fit the device, and outputs poisoned with NaN so unwritten elements show."""
 
-from importlib.metadata import requires
+from importlib.metadata import requires, version
 
 import pytest
 import torch
-import triton
 
 import helpers
 from helpers import ops
@@ -16,8 +15,8 @@ ON_GPU = not helpers.INTERPRET
 PINNED_TRITON = next((r.split("==")[1].split(";")[0].strip() for r in requires("torch") or []
                       if r.startswith("triton==")), None)
 traced_by_torch = pytest.mark.skipif(
-    ON_GPU and PINNED_TRITON not in (None, triton.__version__),
-    reason=f"torch {torch.__version__} is built for Triton {PINNED_TRITON}, not {triton.__version__}: torch.compile "
+    ON_GPU and PINNED_TRITON not in (None, version("triton")),
+    reason=f"torch {torch.__version__} is built for Triton {PINNED_TRITON}, not {version('triton')}: torch.compile "
            "cannot read Triton kernels across versions")
 ODD_SHAPE = helpers.ODD_SHAPE
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
