@@ -588,12 +588,11 @@ class Buffer:
 
 @dataclass
 class Step:
-    """One launch of a call: ``kernel`` on ``grid`` programs. Its tensor arguments come first, named by their index in
-    the call's tensors (its operands, then its buffers); then the integers ``ints``, then ``constexprs``."""
+    """One launch of a call: ``kernel`` on ``grid`` programs. Its arguments are the call's tensors (its operands, then
+    its buffers), then the integers ``ints``, then ``constexprs``."""
 
     kernel: triton.runtime.JITFunction
     grid: int
-    tensors: tuple[int, ...]
     ints: tuple
     constexprs: dict
     num_warps: int
@@ -603,16 +602,15 @@ class Step:
     def launch(self, tensors: tuple[torch.Tensor, ...], stream: int | None) -> None:
         """Launch on ``tensors``: directly on ``stream`` (a plain call on a GPU), else through ``kernels.launch``."""
         if stream is None:  # traced tensors or the interpreter
-            launch(self.kernel, (self.grid,), *[tensors[i] for i in self.tensors], *self.ints, **self.constexprs,
-                   num_warps=self.num_warps)
+            launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs, num_warps=self.num_warps)
             return
         if self.runner is None:  # compiles, or finds the kernel in Triton's cache
-            args = (*[tensors[i] for i in self.tensors], *self.ints)
+            args = (*tensors, *self.ints)
             compiled = self.kernel.warmup(*args, **self.constexprs, grid=(self.grid,), num_warps=self.num_warps)
             self.runner = compiled[(self.grid, 1, 1)]
             self.constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(args):])
         # pointers as addresses: handed a tensor, the launcher asks the driver about each pointer (1-2 us apiece)
-        self.runner(*[tensors[i].data_ptr() for i in self.tensors], *self.ints, *self.constants, stream=stream)
+        self.runner(*[t.data_ptr() for t in tensors], *self.ints, *self.constants, stream=stream)
 
 
 @dataclass
@@ -699,7 +697,7 @@ def _tile_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: 
         grid = min(tiles, resources.resident)
     else:
         grid = tiles
-    return Recipe((), (Step(kernel, grid, tuple(range(len(operands))), ints, constexprs, plan.num_warps),))
+    return Recipe((), (Step(kernel, grid, ints, constexprs, plan.num_warps),))
 
 
 PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it is allocated: its dtype
@@ -755,9 +753,8 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
     else:
         phases = (FUSED,)
     partials = Buffer(n_rows * plan.segments + 1, torch.int64, EMPTY.value)
-    tensors = tuple(range(len(operands) + 1))
     # PHASE as a plain int: torch.compile writes the launch out as Python source
-    return Recipe((partials,), tuple(Step(kernel, grid, tensors, ints, dict(constexprs_for(plan), PHASE=phase.value),
+    return Recipe((partials,), tuple(Step(kernel, grid, ints, dict(constexprs_for(plan), PHASE=phase.value),
                                           plan.num_warps) for phase in phases))
 
 
@@ -784,8 +781,7 @@ def _two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], strides: tuple,
     block_n, chunks, chunk_blocks = two_pass_chunks(n_cols, operands[1].element_size())
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in operands) else torch.float32
     buffers = tuple(Buffer(n_rows * chunks, dtype) for _ in range(partials))
-    tensors = tuple(range(len(operands) + partials))
     return Recipe(buffers, tuple(
-        Step(kernel, n_rows * chunks, tensors, (*strides, n_cols, chunks, chunk_blocks),
+        Step(kernel, n_rows * chunks, (*strides, n_cols, chunks, chunk_blocks),
              dict(CHUNKS_POW2=triton.next_power_of_2(chunks), BLOCK_N=block_n, PHASE=phase.value), TWO_PASS_WARPS)
         for phase in (STATISTICS, FINISH)))
