@@ -103,12 +103,17 @@ def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid):
     """The SEGMENTS packed partials of ``row``, waiting until every one has been written (no slot still EMPTY).
 
     Each slot is one 64-bit word, written by one store, so a reader sees either EMPTY or the whole partial: no
-    counter, no fence. Volatile loads go to L2 each time instead of a stale L1 line."""
+    counter, no fence. Volatile loads go to L2 each time instead of a stale L1 line.
+
+    A program with more threads than slots holds copies of a slot in several threads, each loaded at its own moment,
+    and the wait's sum counts one copy of each: it can end while another copy, which the merge may read, is still
+    EMPTY (Triton 3.9, 64 slots and 128 threads: a NaN partial in most calls). Once the wait has seen every slot
+    written, a copy still EMPTY loads again; L2 holds the write by then."""
     mask = parts < tl.where(valid, SEGMENTS, 0)
     words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
     while tl.sum((words == EMPTY).to(tl.int32), axis=0) > 0:
         words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
-    return words
+    return tl.load(part_ptr + row * SEGMENTS + parts, mask=mask & (words == EMPTY), other=words, volatile=True)
 
 
 @triton.jit
@@ -310,7 +315,9 @@ def softmax_backward_split_kernel(
                                   y_edge, dy_edge, SEGMENTS, ALIGN)
 
 
-@triton.jit
+# ``kept_programs`` is a bound on program ids, which nothing gains from Triton specialising on its divisibility by 16
+# (a compile per case; and torch 2.11's torch.compile misreads an argument so specialised under Triton 3.9).
+@triton.jit(do_not_specialize=["kept_programs"])
 def softmax_two_pass_kernel(
     y_ptr, x_ptr, m_ptr, d_ptr, x_row_stride, x_col_stride, y_row_stride, n_cols, chunks, chunk_blocks, kept_programs,
     CHUNKS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,
@@ -361,7 +368,7 @@ def softmax_two_pass_kernel(
                      cache_modifier=STREAMING)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kept_programs"])
 def softmax_backward_two_pass_kernel(
     dx_ptr, y_ptr, dy_ptr, dot_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_cols,
     chunks, chunk_blocks, kept_programs, CHUNKS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr,

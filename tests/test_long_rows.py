@@ -2,7 +2,8 @@
 fit on the GPU together; longer rows take the two-pass kernels, where no program waits.
 
 On CPU the rule is checked against the residency of small GPUs, and the two-pass kernels against torch; on a GPU,
-rows of 2**22 + 3, 2**24 and 2**27 elements run in a subprocess whose timeout fails the test instead of hanging it.
+rows of 2**22 + 3, 2**24 and 2**27 elements, and many calls of splits, run in subprocesses whose timeout fails the
+test instead of hanging it.
 """
 
 import dataclasses
@@ -151,6 +152,45 @@ for case in sys.argv[1:]:
 def test_long_rows_on_the_gpu(cases):
     try:
         out = subprocess.run([sys.executable, "-c", GPU_LONG_ROWS, *cases], capture_output=True, text=True,
+                             timeout=300)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.stdout.count(" ok") == len(cases), out.stdout
+
+
+# A GPU subprocess: many calls of splits whose programs have more threads than a row has partial slots, so that a
+# slot is loaded by several threads, each against torch. A partial read EMPTY (a NaN) or a hang fails the test.
+GPU_REPEATED_SPLITS = r"""
+import sys
+import torch
+import triton
+import helpers
+
+for case in sys.argv[1:]:
+    dtype, rows, n_cols = getattr(torch, case.split("x")[0]), *map(int, case.split("x")[1:])
+    plans = [helpers.fused.plan_for(n_cols, phase, dtype.itemsize) for phase in ("forward", "backward")]
+    assert any(32 < triton.next_power_of_2(plan.segments) < 32 * plan.num_warps for plan in plans), (case, plans)
+    x = torch.randn(rows, n_cols, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    y_expected = torch.softmax(x.double(), -1)
+    dx_expected = torch._softmax_backward_data(dy.double(), y_expected, -1, torch.float64)
+    y = helpers.softmax_forward(x)
+    for call in range(40):
+        y = helpers.softmax_forward(x)
+        dx = helpers.softmax_backward(y, dy)
+        torch.testing.assert_close(y.double(), y_expected, atol=1e-2, rtol=2e-2, msg=lambda m: f"{case} {call}: {m}")
+        torch.testing.assert_close(dx.double(), dx_expected, atol=1e-2, rtol=2e-2, msg=lambda m: f"{case} {call}: {m}")
+    print(case, "ok", flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the split kernels wait for each other only there")
+def test_every_call_of_a_split_with_copies_of_its_slots():
+    """``read_partials`` under Triton 3.9 once merged a copy of a slot still EMPTY in most calls of these shapes."""
+    cases = ["float32x64x131072", "bfloat16x64x151936", "bfloat16x3x262144"]
+    try:
+        out = subprocess.run([sys.executable, "-c", GPU_REPEATED_SPLITS, *cases], capture_output=True, text=True,
                              timeout=300)
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
