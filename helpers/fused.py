@@ -8,34 +8,37 @@ Two shapes of kernel, both persistent (a grid sized to fill the GPU once, each p
   exchange their partial statistics, (m, d) forward or the partial sum of y * dy backward, through global memory. Each
   piece of x stays in registers between the two halves, so x is read once.
 
-The programs of a row must wait for each other. Each writes its partial as one 64-bit word into a slot that starts
-EMPTY, and on a GPU (``PHASE`` 2) readers poll the slots until none is EMPTY. A wait must never be for a program the GPU
-has not started: programs take their place in a row by the order they start (a ticket from one atomic counter), not by
-program id, so a row's programs are always started ahead of anything that waits for them, and a split is launched only
-where a row's programs fit on the GPU together, with room to spare (``split_grid``, from the compiled kernel's
-residency, ``compiled_resources``). Rows longer than that, and fp64 rows (their partials do not fit a 64-bit word),
-take the two-pass kernels: statistics, then finish, two launches in which no program waits for another. Triton's
-interpreter runs programs one after another, where a wait would never end, so there a split runs as two launches too:
-``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes (re-reading x).
+The programs of a row must wait for each other. Each writes its partial as one 64-bit word into a slot, tagged with the
+parity of the call (its launch's number on this exchange buffer, from the ticket counter below), and on a GPU (``PHASE``
+2) readers poll the slots until every tag is this call's. Every call writes every slot, so a slot holds this call's
+partial or the previous call's: the buffer never needs refilling between calls, and a plain call keeps its own
+(``Recipe``). A wait must never be for a program the GPU has not started: programs take their place in a row by the
+order they start (a ticket from one atomic counter), not by program id, so a row's programs are always started ahead of
+anything that waits for them, and a split is launched only where a row's programs fit on the GPU together, with room to
+spare (``split_grid``, from the compiled kernel's residency, ``compiled_resources``). Rows longer than that, and fp64
+rows (their partials do not fit a 64-bit word), take the two-pass kernels: statistics, then finish, two launches in
+which no program waits for another. Triton's interpreter runs programs one after another, where a wait would never end,
+so there a split runs as two launches too: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes
+(re-reading x).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
-from .device import INTERPRET
+from .device import DEVICE, INTERPRET
 from .kernels import launch, upcast
 
 # PHASE of a split kernel: partials only, merge-and-finish only, or both in one launch with a wait between.
 STATISTICS, FINISH, FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# A partial slot not written yet. Written slots hold two fp32 bit patterns; all ones is a negative NaN with a payload
-# that GPU arithmetic never produces (its NaNs are 0x7fffffff), so no real partial can look EMPTY.
+# A fresh exchange buffer's fill: the ticket counter at -1 (the first ticket is 0), and slots whose tag (bit 31) is 1,
+# not the first call's 0.
 EMPTY = tl.constexpr(-1)
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(z) = exp2(z * LOG2E): tl.exp2 skips tl.exp's subnormal guard
 # The cache policy of every load of the fused kernels: its lines are the last the L2 cache evicts. Each element is
@@ -83,45 +86,59 @@ def upcast_again(x):
 
 
 @triton.jit
-def pack(high, low):
-    """Two fp32 values in one 64-bit word: a single store publishes both at once."""
+def pack(high, low, parity):
+    """Two fp32 values in one 64-bit word, a single store that publishes both at once, with ``parity`` in place of the
+    sign bit of ``low`` (a sum of exponentials, or 0: a sign bit with nothing to say)."""
     high_bits = high.to(tl.uint32, bitcast=True).to(tl.uint64)
-    low_bits = low.to(tl.uint32, bitcast=True).to(tl.uint64)
-    return ((high_bits << 32) | low_bits).to(tl.int64, bitcast=True)
+    low_bits = (low.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) | (parity.to(tl.uint32) << 31)
+    return ((high_bits << 32) | low_bits.to(tl.uint64)).to(tl.int64, bitcast=True)
 
 
 @triton.jit
 def unpack(word):
+    """``pack``'s two values (``low`` non-negative)."""
     bits = word.to(tl.uint64, bitcast=True)
     high = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-    low = (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    low = (bits & 0x7FFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
     return high, low
 
 
 @triton.jit
-def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid):
-    """The SEGMENTS packed partials of ``row``, waiting until every one has been written (no slot still EMPTY).
+def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid, parity):
+    """The SEGMENTS packed partials of ``row``, waiting until every one carries this call's ``parity``.
 
-    Each slot is one 64-bit word, written by one store, so a reader sees either EMPTY or the whole partial: no
-    counter, no fence. Volatile loads go to L2 each time instead of a stale L1 line.
+    Each slot is one 64-bit word, written by one store, so a reader sees either the previous call's partial or the
+    whole of this one's: no counter, no fence. Volatile loads go to L2 each time instead of a stale L1 line.
 
     A program with more threads than slots holds copies of a slot in several threads, each loaded at its own moment,
-    and the wait's sum counts one copy of each: it can end while another copy, which the merge may read, is still
-    EMPTY (Triton 3.9, 64 slots and 128 threads: a NaN partial in most calls). Once the wait has seen every slot
-    written, a copy still EMPTY loads again; L2 holds the write by then."""
+    and the wait's sum counts one copy of each: it can end while another copy, which the merge may read, is still the
+    previous call's (Triton 3.9, 64 slots and 128 threads: most calls). Once the wait has seen every slot written, a
+    copy still stale loads again; L2 holds the write by then."""
     mask = parts < tl.where(valid, SEGMENTS, 0)
     words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
-    while tl.sum((words == EMPTY).to(tl.int32), axis=0) > 0:
+    while tl.sum(stale(words, parity, mask).to(tl.int32), axis=0) > 0:
         words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
-    return tl.load(part_ptr + row * SEGMENTS + parts, mask=mask & (words == EMPTY), other=words, volatile=True)
+    return tl.load(part_ptr + row * SEGMENTS + parts, mask=stale(words, parity, mask), other=words, volatile=True)
 
 
 @triton.jit
-def take_ticket(counter_ptr):
-    """This program's place, 0 to num_programs - 1, in the order programs start. The counter starts at EMPTY (-1); a
-    second launch over the same counter (the interpreter's FINISH phase) counts on and takes the same places again."""
+def stale(words, parity, mask):
+    """Which of the slots under ``mask`` do not yet hold this call's partial: their tag is not ``parity``."""
+    return (((words.to(tl.uint64, bitcast=True) >> 31) & 1) != parity) & mask
+
+
+@triton.jit
+def take_ticket(counter_ptr, PHASE: tl.constexpr):
+    """This program's place, 0 to num_programs - 1, in the order programs start, and the parity of its call. The
+    counter starts at EMPTY (-1) and counts on from launch to launch: every launch over one exchange buffer has the
+    same grid, so launch k takes tickets k * num_programs to (k + 1) * num_programs - 1. The interpreter's FINISH
+    launch reads the partials of the STATISTICS launch before it: one call, one parity."""
     ticket = tl.atomic_add(counter_ptr, 1) + 1  # 64-bit, like the counter
-    return (ticket % tl.num_programs(0)).to(tl.int32)  # 32-bit like a program id: 64-bit index math costs registers
+    call = ticket // tl.num_programs(0)
+    if PHASE == FINISH:
+        call -= 1
+    # 32-bit like a program id: 64-bit index math costs registers
+    return (ticket % tl.num_programs(0)).to(tl.int32), (call % 2).to(tl.int32)
 
 
 @triton.jit
@@ -181,10 +198,10 @@ def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values
 
 
 @triton.jit
-def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, x, x_edge,
+def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, parity, x, x_edge,
                          SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
     """y for one piece of ``row``, kept as loaded: merge the row's (m, d) partials, then y = exp(x - m) / d."""
-    m_parts, d_parts = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid))
+    m_parts, d_parts = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid, parity))
     m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
     m_row = tl.max(m_parts, axis=0)
     d_row = tl.sum(d_parts * tl.exp2((m_parts - tl.where(m_row == float("-inf"), 0.0, m_row)) * LOG2E), axis=0)
@@ -201,9 +218,9 @@ def softmax_split_kernel(
     PHASE: tl.constexpr,
 ):
     """Forward for long rows: SEGMENTS consecutive programs share each row, one BLOCK_N piece each, and merge their
-    (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per piece, EMPTY until written, and one ticket
-    counter after the last row's. Groups of SEGMENTS programs walk the rows grid-stride. ALIGN > 1 places the pieces
-    on 16-byte boundaries (``row_window``; it needs unit column strides and equal row strides).
+    (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per piece, tagged with the call's parity, and
+    one ticket counter after the last row's. Groups of SEGMENTS programs walk the rows grid-stride. ALIGN > 1 places
+    the pieces on 16-byte boundaries (``row_window``; it needs unit column strides and equal row strides).
 
     Each piece stays in registers as loaded, and finishing computes exp(x - m) again with the row's m: a second
     exponential per element costs less than keeping e = exp(x - m_piece), fp32 and twice the registers of a 16-bit
@@ -213,7 +230,7 @@ def softmax_split_kernel(
     on its wait for the others, and the slack of one row is lost.)
     """
     tl.static_assert(x_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
-    program = take_ticket(part_ptr + n_rows * SEGMENTS)
+    program, parity = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the row (columns when ALIGN = 1)
@@ -233,14 +250,15 @@ def softmax_split_kernel(
             # upcast_again: no fp32 copy of the piece stays live from the max to the exponentials
             d = (tl.sum(tl.exp2((upcast_again(x) - m_finite) * LOG2E), axis=0)
                  + tl.sum(tl.exp2((upcast_again(x_edge) - m_finite) * LOG2E), axis=0))
-            tl.store(part_ptr + row * SEGMENTS + segment, pack(m, d), mask=valid)
+            tl.store(part_ptr + row * SEGMENTS + segment, pack(m, d, parity), mask=valid)
         if PHASE == FUSED:
             finish_forward_piece(y_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
-                                 y_row_stride, n_cols, segment, piece, parts, x_prev, x_edge_prev, SEGMENTS, ALIGN)
+                                 y_row_stride, n_cols, segment, piece, parts, parity, x_prev, x_edge_prev, SEGMENTS,
+                                 ALIGN)
             x_prev, x_edge_prev = x, x_edge
         elif PHASE == FINISH:
-            finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, x, x_edge,
-                                 SEGMENTS, ALIGN)
+            finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, parity, x,
+                                 x_edge, SEGMENTS, ALIGN)
 
 
 @triton.jit
@@ -266,11 +284,11 @@ def softmax_backward_tile_kernel(
 
 
 @triton.jit
-def finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, y, dy, y_edge,
-                          dy_edge, SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
+def finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, parity, y, dy,
+                          y_edge, dy_edge, SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
     """dx for one piece of ``row``, y and dy kept as loaded: the row's sum(y * dy) from its partials, then
     y * (dy - sum)."""
-    dot_parts, _ = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid))
+    dot_parts, _ = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid, parity))
     dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
     store_window(dx_ptr, row, dx_row_stride, n_cols, valid, segment, piece,
                  upcast_again(y) * (upcast_again(dy) - dot), upcast_again(y_edge) * (upcast_again(dy_edge) - dot),
@@ -284,10 +302,10 @@ def softmax_backward_split_kernel(
     PHASE: tl.constexpr,
 ):
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
-    with a 0 beside it, so a written slot is never EMPTY), with the forward's row window and one-row-behind pipeline;
+    with a 0 that carries the tag), with the forward's row window and one-row-behind pipeline;
     pieces of y and dy stay as loaded until dx."""
     tl.static_assert(y_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
-    program = take_ticket(part_ptr + n_rows * SEGMENTS)
+    program, parity = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -304,15 +322,16 @@ def softmax_backward_split_kernel(
         if PHASE != FINISH:
             dot_piece = (tl.sum(upcast(y) * upcast(dy), axis=0)
                          + tl.sum(upcast(y_edge) * upcast(dy_edge), axis=0))
-            tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece)), mask=valid)
+            tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece), parity),
+                     mask=valid)
         if PHASE == FUSED:
             finish_backward_piece(dx_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
-                                  dx_row_stride, n_cols, segment, piece, parts, y_prev, dy_prev, y_edge_prev,
+                                  dx_row_stride, n_cols, segment, piece, parts, parity, y_prev, dy_prev, y_edge_prev,
                                   dy_edge_prev, SEGMENTS, ALIGN)
             y_prev, dy_prev, y_edge_prev, dy_edge_prev = y, dy, y_edge, dy_edge
         elif PHASE == FINISH:
-            finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, y, dy,
-                                  y_edge, dy_edge, SEGMENTS, ALIGN)
+            finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, parity, y,
+                                  dy, y_edge, dy_edge, SEGMENTS, ALIGN)
 
 
 # ``kept_programs`` is a bound on program ids, which nothing gains from Triton specialising on its divisibility by 16
@@ -577,8 +596,8 @@ def split_grid(segments: int, n_rows: int, resident: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Launching. What a call launches (kernels, grids, scratch buffers) depends only on its tensors' layout, so it is worked
-# out once per layout into a Recipe and cached. A repeat call then allocates its buffers and launches the compiled
-# kernels directly: no planning, and none of the argument binding Triton's launcher redoes on every call.
+# out once per layout into a Recipe and cached. A repeat call then launches the compiled kernels directly on scratch
+# buffers it keeps: no planning, no allocation, and none of the argument binding Triton's JIT redoes on every call.
 
 
 @dataclass(frozen=True)
@@ -589,20 +608,10 @@ class Buffer:
     dtype: torch.dtype
     fill: int | None = None
 
-    def allocate(self, device: torch.device, stream: int | None = None) -> torch.Tensor:
-        """With ``stream`` (a plain call on a GPU), an EMPTY fill is one driver memset on it: ``torch.full`` costs the
-        host 10 us a call, several times a launch."""
+    def allocate(self, device: torch.device) -> torch.Tensor:
         if self.fill is None:
             return torch.empty(self.numel, dtype=self.dtype, device=device)
-        if stream is None:
-            return torch.full((self.numel,), self.fill, dtype=self.dtype, device=device)
-        assert self.fill == EMPTY.value and self.dtype == torch.int64  # all ones: a 32-bit pattern, twice a slot
-        buffer = torch.empty(self.numel, dtype=self.dtype, device=device)
-        status = _cuda_driver().cuMemsetD32Async(ctypes.c_uint64(buffer.data_ptr()), ctypes.c_uint(0xFFFFFFFF),
-                                                 ctypes.c_size_t(2 * self.numel), ctypes.c_void_p(stream))
-        if status != 0:
-            raise RuntimeError(f"cuMemsetD32Async failed with CUDA error {status}")
-        return buffer
+        return torch.full((self.numel,), self.fill, dtype=self.dtype, device=device)
 
 
 @dataclass
@@ -615,21 +624,31 @@ class Step:
     ints: tuple
     constexprs: dict
     num_warps: int
-    runner: object = None  # the compiled kernel's launcher for this grid, after the first direct launch ...
-    constants: tuple = ()  # ... and the constexprs' values in the kernel's argument order, which it takes
+    direct: object = None  # after the first direct launch: a function of (addresses, stream) that launches
 
-    def launch(self, tensors: tuple[torch.Tensor, ...], stream: int | None) -> None:
-        """Launch on ``tensors``: directly on ``stream`` (a plain call on a GPU), else through ``kernels.launch``."""
+    def launch(self, tensors: tuple[torch.Tensor, ...], pointers: list[int] | None = None,
+               stream: int | None = None) -> None:
+        """Launch on ``tensors``: directly, given their addresses and a stream (a plain call on a GPU), else through
+        ``kernels.launch``."""
         if stream is None:  # traced tensors or the interpreter
             launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs, num_warps=self.num_warps)
             return
-        if self.runner is None:  # compiles, or finds the kernel in Triton's cache
-            args = (*tensors, *self.ints)
-            compiled = self.kernel.warmup(*args, **self.constexprs, grid=(self.grid,), num_warps=self.num_warps)
-            self.runner = compiled[(self.grid, 1, 1)]
-            self.constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(args):])
-        # pointers as addresses: handed a tensor, the launcher asks the driver about each pointer (1-2 us apiece)
-        self.runner(*[t.data_ptr() for t in tensors], *self.ints, *self.constants, stream=stream)
+        if self.direct is None:  # compiles, or finds the kernel in Triton's cache
+            compiled = self.kernel.warmup(*tensors, *self.ints, **self.constexprs, grid=(self.grid,),
+                                          num_warps=self.num_warps)
+            constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(tensors) + len(self.ints):])
+            runner = compiled[(self.grid, 1, 1)]
+            # the compiled kernel's own launcher, handed addresses: given tensors, it asks the driver about each one
+            self.direct = lambda pointers, stream: runner(*pointers, *self.ints, *constants, stream=stream)
+        self.direct(pointers, stream)
+
+
+# Scratch buffers up to this size are kept by their recipe from call to call, one set per CUDA stream: a call then
+# allocates nothing but its output. Larger ones come with calls long enough on the GPU that the host's time is hidden.
+KEPT_BUFFER_BYTES = 1 << 20
+LAUNCH_DIRECTLY = DEVICE.type == "cuda" and not INTERPRET  # compiled kernels on torch's CUDA stream (else: the JIT)
+_current_stream = torch._C._cuda_getCurrentRawStream if LAUNCH_DIRECTLY else None  # torch's, on a device index
+_capturing = torch._C._cuda_isCurrentStreamCapturing if LAUNCH_DIRECTLY else None
 
 
 @dataclass
@@ -638,45 +657,64 @@ class Recipe:
 
     buffers: tuple[Buffer, ...]
     steps: tuple[Step, ...]
+    kept: dict = field(default_factory=dict)  # stream -> this recipe's buffers on it, and their addresses
 
-    def run(self, operands: tuple[torch.Tensor, ...]) -> None:
-        device = operands[0].device
-        stream = None  # launches through Triton's JIT (traced tensors, the interpreter)
-        if not INTERPRET and all(type(t) is torch.Tensor for t in operands):
-            stream = triton.runtime.driver.active.get_current_stream(device.index)  # torch's current stream
-        tensors = (*operands, *[buffer.allocate(device, stream) for buffer in self.buffers])
+    def run(self, operands: tuple[torch.Tensor, ...], pointers: list[int] | None = None) -> None:
+        """Launch every step on ``operands``: given their addresses (torch.Tensors on a GPU), directly.
+
+        A kept exchange buffer is ready for the next call as the kernels leave it (its tags), and calls on one stream
+        run one after another. A call being captured into a CUDA graph takes buffers of its own, whose fill the graph
+        replays: the graph may later run on another stream, beside calls on this one."""
+        if pointers is None:
+            tensors = (*operands, *[buffer.allocate(operands[0].device) for buffer in self.buffers])
+            for step in self.steps:
+                step.launch(tensors)
+            return
+        stream = _current_stream(operands[0].get_device())
+        buffers, buffer_pointers = self.kept.get(stream, ((), ())) if self.buffers else ((), ())
+        if self.buffers and (not buffers or _capturing()):
+            buffers = tuple(buffer.allocate(operands[0].device) for buffer in self.buffers)
+            buffer_pointers = tuple(buffer.data_ptr() for buffer in buffers)
+            kept_bytes = sum(buffer.numel * buffer.dtype.itemsize for buffer in self.buffers)
+            if kept_bytes <= KEPT_BUFFER_BYTES and not _capturing():
+                self.kept[stream] = buffers, buffer_pointers
+        tensors, pointers = (*operands, *buffers), [*pointers, *buffer_pointers]
         for step in self.steps:
-            step.launch(tensors, stream)
+            step.launch(tensors, pointers, stream)
 
 
 _recipes: dict[tuple, Recipe] = {}
 MAX_RECIPES = 4096  # layouts remembered before the cache starts over
 
 
-def _recipe(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> Recipe:
-    """``build(*operands, plan)``, cached per layout: shape, device, and each tensor's strides, dtype and whether it
-    starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be symbolic, are
-    planned afresh: torch.compile traces a call once."""
-    if not all(type(t) is torch.Tensor for t in operands):
-        return build(*operands, plan)
-    key = (build, plan, operands[0].shape, operands[0].get_device(),
-           *[(t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in operands])
+def _run(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> None:
+    """Run ``build(*operands, plan)``, the recipe cached per layout: shape, device, and each tensor's strides, dtype
+    and whether it starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be
+    symbolic, are planned afresh: torch.compile traces a call once."""
+    pointers, key = [], [build, plan, operands[0].shape, operands[0].get_device()]
+    for t in operands:
+        if type(t) is not torch.Tensor:
+            build(*operands, plan).run(operands)
+            return
+        pointers.append(t.data_ptr())
+        key += t.stride(), t.dtype, pointers[-1] % 16 == 0
+    key = tuple(key)
     recipe = _recipes.get(key)
     if recipe is None:
         if len(_recipes) >= MAX_RECIPES:
             _recipes.clear()
         recipe = _recipes[key] = build(*operands, plan)
-    return recipe
+    recipe.run(operands, pointers if LAUNCH_DIRECTLY else None)
 
 
 def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -> None:
     """Softmax of the rows of the 2-D ``x`` into the contiguous 2-D ``y`` with the fused kernels."""
-    _recipe(_forward_recipe, (y, x), plan).run((y, x))
+    _run(_forward_recipe, (y, x), plan)
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
     """dx of the rows of the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx`` with the fused kernels."""
-    _recipe(_backward_recipe, (dx, y, dy), plan).run((dx, y, dy))
+    _run(_backward_recipe, (dx, y, dy), plan)
 
 
 def _forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: Plan | None) -> Recipe:

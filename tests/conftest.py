@@ -10,8 +10,9 @@ from helpers import ops
 
 ON_GPU = not helpers.INTERPRET
 # torch's CUDA builds pin the Triton they are built for; torch.compile reads Triton kernels (wrap_triton) with that
-# version's internals. Under another (torch 2.11 with Triton 3.9) it fails to parse ours and traces them as if they
-# wrote every input: the compiled graphs break. pip never installs such a pair.
+# version's internals. Under another (torch 2.11 with Triton 3.9) it cannot parse a kernel called with an integer that
+# is a multiple of 16 (it passes the integer as a constant, which Triton 3.9 makes a constexpr) and traces it as if it
+# wrote every input: the tests marked with this break in torch's partitioner. pip never installs such a pair.
 PINNED_TRITON = next((r.split("==")[1].split(";")[0].strip() for r in requires("torch") or []
                       if r.startswith("triton==")), None)
 traced_by_torch = pytest.mark.skipif(

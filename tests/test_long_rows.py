@@ -208,3 +208,75 @@ def test_no_split_is_compiled_for_rows_no_gpu_could_hold(monkeypatch, looped):
 
     monkeypatch.setattr(fused, "compiled_resources", compile_nothing)
     check(randn(3, 200))
+
+
+# A GPU subprocess: one split layout called again and again on new data, on two streams and inside a CUDA graph. The
+# kernels leave their exchange buffer ready for the next call (tags of the call's parity), which a recipe keeps per
+# stream: a tag read wrongly would wait forever, or merge a previous call's partials.
+GPU_REPEATED_CALLS = r"""
+import torch
+import helpers
+from helpers import fused
+
+
+def check(x, dy):
+    y = helpers.softmax_forward(x)
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=1e-2)
+    dx = helpers.softmax_backward(y, dy)
+    expected = torch._softmax_backward_data(dy.float(), y.float(), -1, torch.float32)
+    torch.testing.assert_close(dx.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+for dtype in (torch.float32, torch.bfloat16):
+    for shape in ((1, 50257), (8, 131072), (64, 32000)):
+        for _ in range(3):
+            check(torch.randn(shape, device="cuda").to(dtype) * 4, torch.randn(shape, device="cuda").to(dtype))
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                check(torch.randn(shape, device="cuda").to(dtype) * 4, torch.randn(shape, device="cuda").to(dtype))
+        torch.cuda.synchronize()
+        x = torch.randn(shape, device="cuda").to(dtype)
+        helpers.softmax_forward(x)  # planned and compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = helpers.softmax_forward(x)
+        for _ in range(3):
+            x.copy_(torch.randn(shape, device="cuda").to(dtype) * 4)
+            graph.replay()
+            torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=1e-2)
+            check(x, torch.randn(shape, device="cuda").to(dtype))  # plain calls between replays
+        print(dtype, shape, "ok", flush=True)
+splits = [r for r in fused._recipes.values() if "split" in r.steps[0].kernel.fn.__name__]
+assert splits and all(len(r.kept) == 2 for r in splits), [len(r.kept) for r in splits]  # two streams each
+print("kept", len(splits), flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the exchange buffer is kept between plain calls only there")
+def test_repeated_calls_reuse_the_exchange_buffer():
+    try:
+        out = subprocess.run([sys.executable, "-c", GPU_REPEATED_CALLS], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.stdout.count(" ok") == 6 and "kept" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_repeated_splits_match_torch(monkeypatch, phase):
+    """Calls of one split layout one after another: each merges its own partials, never a previous call's (on CPU,
+    two launches per call, the second reading the first's)."""
+    monkeypatch.setattr(fused, "_recipes", {})
+    shape = (3, 40000) if helpers.INTERPRET else (8, 131072)
+    for _ in range(3):
+        x = randn(*shape, dtype=torch.bfloat16)
+        y = helpers.softmax_forward(x)
+        if phase == "forward":
+            torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=2e-2, rtol=2e-2)
+            continue
+        dy = randn(*shape, dtype=torch.bfloat16, scale=1.0)
+        torch.testing.assert_close(helpers.softmax_backward(y, dy).double(), torch_backward(y, dy, -1),
+                                   atol=2e-2, rtol=2e-2)
+    names = {step.kernel.fn.__name__ for recipe in fused._recipes.values() for step in recipe.steps}
+    assert any("split" in name for name in names), names
