@@ -1,5 +1,7 @@
 """Shared test setup: sizes that fit the device, and outputs poisoned with NaN so unwritten elements show."""
 
+import subprocess
+import sys
 from importlib.metadata import requires, version
 
 import pytest
@@ -59,3 +61,14 @@ def randn(*shape, dtype=torch.float32, scale=3.0):
 def torch_backward(y, dy, dim):
     """torch's own softmax backward in float64, from the same y."""
     return torch._softmax_backward_data(dy.double(), y.double(), dim, torch.float64)
+
+
+def run_with_timeout(script: str, *args: str, timeout: int = 300) -> str:
+    """``script`` run in a fresh Python with ``args``; its stdout. Programs that wait for each other could hang: the
+    timeout fails the test instead of stopping the run, and a non-zero exit fails it with the output's end."""
+    try:
+        out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return out.stdout

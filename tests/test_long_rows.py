@@ -7,12 +7,10 @@ test instead of hanging it.
 """
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ON_GPU, randn, torch_backward
+from conftest import ON_GPU, randn, run_with_timeout, torch_backward
 
 import helpers
 from helpers import fused
@@ -150,13 +148,8 @@ for case in sys.argv[1:]:
     ["float32x1x134217728", "bfloat16x1x134217728"],
 ], ids=["2**22", "2**24", "2**27"])
 def test_long_rows_on_the_gpu(cases):
-    try:
-        out = subprocess.run([sys.executable, "-c", GPU_LONG_ROWS, *cases], capture_output=True, text=True,
-                             timeout=300)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    assert out.stdout.count(" ok") == len(cases), out.stdout
+    stdout = run_with_timeout(GPU_LONG_ROWS, *cases)
+    assert stdout.count(" ok") == len(cases), stdout
 
 
 # A GPU subprocess: many calls of splits whose programs have more threads than a row has partial slots, so that a
@@ -189,13 +182,8 @@ for case in sys.argv[1:]:
 def test_every_call_of_a_split_with_copies_of_its_slots():
     """``read_partials`` under Triton 3.9 once merged a copy of a slot still EMPTY in most calls of these shapes."""
     cases = ["float32x64x131072", "bfloat16x64x151936", "bfloat16x3x262144"]
-    try:
-        out = subprocess.run([sys.executable, "-c", GPU_REPEATED_SPLITS, *cases], capture_output=True, text=True,
-                             timeout=300)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    assert out.stdout.count(" ok") == len(cases), out.stdout
+    stdout = run_with_timeout(GPU_REPEATED_SPLITS, *cases)
+    assert stdout.count(" ok") == len(cases), stdout
 
 
 def test_no_split_is_compiled_for_rows_no_gpu_could_hold(monkeypatch, looped):
@@ -255,12 +243,8 @@ print("kept", len(splits), flush=True)
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the exchange buffer is kept between plain calls only there")
 def test_repeated_calls_reuse_the_exchange_buffer():
-    try:
-        out = subprocess.run([sys.executable, "-c", GPU_REPEATED_CALLS], capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"hung: no answer in {expired.timeout} s; finished: {expired.stdout!r}")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    assert out.stdout.count(" ok") == 6 and "kept" in out.stdout, out.stdout
+    stdout = run_with_timeout(GPU_REPEATED_CALLS)
+    assert stdout.count(" ok") == 6 and "kept" in stdout, stdout
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
