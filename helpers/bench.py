@@ -13,6 +13,7 @@ import argparse
 import csv
 import datetime
 import functools
+import importlib
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -55,7 +56,7 @@ def time_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def cpu_ms_per_call(fn: Callable[[], object], calls: int = 100, repeats: int = 5) -> float:
+def cpu_ms_per_call(fn: Callable[[], object], calls: int = 200, repeats: int = 11) -> float:
     """Milliseconds of CPU time per call of ``fn`` while the GPU is kept busy, so that calls only queue their work:
     the time the host needs to issue one call, which must stay below the GPU's time per call to keep the GPU fed. The
     fastest of ``repeats`` runs: what the call costs, without what else the machine was doing meanwhile."""
@@ -63,7 +64,7 @@ def cpu_ms_per_call(fn: Callable[[], object], calls: int = 100, repeats: int = 5
     torch.cuda.synchronize()
     fastest = float("inf")
     for _ in range(repeats):
-        torch.cuda._sleep(300_000_000)  # about 0.2 s of GPU work queued ahead of the calls
+        torch.cuda._sleep(50_000_000)  # about 30 ms of GPU work queued ahead of the calls (4 ms at 20 us a call)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -241,15 +242,34 @@ REFERENCE_GPU = "NVIDIA H100 80GB HBM3"
 def load_results(path: Path | None = None) -> list[Result]:
     """Recorded results: ``path``; else, on a GPU that has its own sweep in results/ (``make bench``), that one;
     else the reference GPU's."""
-    if path is None:
-        own = results_path(gpu_name()) if not INTERPRET and DEVICE.type == "cuda" else None
-        path = own if own is not None and own.exists() else results_path(REFERENCE_GPU)
-        if not path.exists():
-            raise FileNotFoundError(f"no recorded results in {RESULTS_DIR.name}/: run `make bench` on a GPU")
-    types = {field.name: field.type for field in fields(Result)}
+    return _read_rows(path or _recorded(results_path), Result)
+
+
+def load_latency(path: Path | None = None) -> list[Latency]:
+    """Recorded host times and decode latencies (``make bench``'s latency part), found as ``load_results`` finds its
+    sweep."""
+    return _read_rows(path or _recorded(latency_path), Latency)
+
+
+def latency_path(gpu: str) -> Path:
+    path = results_path(gpu)
+    return path.with_name(path.stem + "-latency.csv")
+
+
+def _recorded(path_for: Callable[[str], Path]) -> Path:
+    """This GPU's recorded file when there is one, else the reference GPU's."""
+    own = path_for(gpu_name()) if not INTERPRET and DEVICE.type == "cuda" else None
+    path = own if own is not None and own.exists() else path_for(REFERENCE_GPU)
+    if not path.exists():
+        raise FileNotFoundError(f"no recorded {path.name} in {RESULTS_DIR.name}/: run `make bench` on a GPU")
+    return path
+
+
+def _read_rows(path: Path, row_type: type) -> list:
+    types = {field.name: field.type for field in fields(row_type)}
     cast = {"int": int, "float": float, "str": str}
     with path.open() as f:
-        return [Result(**{k: cast[types[k]](v) for k, v in row.items()}) for row in csv.DictReader(f)]
+        return [row_type(**{k: cast[types[k]](v) for k, v in row.items()}) for row in csv.DictReader(f)]
 
 
 def load_tuning(path: Path | None = None) -> list[dict]:
@@ -314,9 +334,11 @@ HOST_SHAPES = [(1, 1024), (1, 65536)]
 
 @dataclass
 class Latency:
-    """Microseconds per call: ``measure`` is "host" (CPU time to issue a call, ``cpu_ms_per_call``), "eager" (calls
-    back to back, ``time_ms``: the larger of host and GPU time) or "graph" (the call captured in a CUDA graph: GPU
-    time and the graph's own launch)."""
+    """Microseconds per call: ``measure`` is "host" (CPU time to issue a call, ``cpu_ms_per_call``), "eager"
+    (``time_ms``, which clears L2 before each call: the host issues the call while the GPU clears, so this is the GPU's
+    time for an eager call, its fills and extra launches included) or "graph" (the call captured in a CUDA graph and
+    replayed). On the host, "launch" and "empty_like" are parts of the course's call timed alone: its kernels launched
+    on an output allocated beforehand (no checks, no lookup), and the allocation of that output."""
 
     gpu: str
     impl: str
@@ -330,12 +352,12 @@ class Latency:
 
 
 def _quack():
-    """QuACK's softmax module (Dao-AILab's CuTe-DSL kernels) when it is installed, else None."""
+    """QuACK's softmax module (Dao-AILab's CuTe-DSL kernels) when it is installed, else None. (``quack.softmax`` as
+    an attribute is its autograd function, which shadows the module.)"""
     try:
-        from quack import softmax as quack_softmax
+        return importlib.import_module("quack.softmax")
     except ImportError:
         return None
-    return quack_softmax
 
 
 def latency_impls(phase: str) -> dict[str, Callable[..., Callable[[], object]]]:
@@ -363,6 +385,18 @@ def latency_impls(phase: str) -> dict[str, Callable[..., Callable[[], object]]]:
     return impls
 
 
+def host_parts(phase: str) -> dict[str, Callable[..., Callable[[], object]]]:
+    """The course's call in parts, as ``latency_impls``: its recipe's launch alone, and its output's allocation."""
+    from . import fused
+
+    def launch(x, y, dy):
+        operands = (torch.empty_like(x), x) if phase == "forward" else (torch.empty_like(y), y, dy)
+        recipe = fused.recipe_for(fused.forward_recipe if phase == "forward" else fused.backward_recipe, operands)
+        return functools.partial(recipe.launch, operands, [t.data_ptr() for t in operands], x.get_device())
+
+    return {"launch": launch, "empty_like": lambda x, y, dy: functools.partial(torch.empty_like, x)}
+
+
 def graph_us(fn: Callable[[], object]) -> float:
     """Microseconds per replay of ``fn`` captured in a CUDA graph: the GPU's time for the call, host cost gone."""
     fn()  # compiles and plans outside the capture
@@ -387,9 +421,12 @@ def sweep_latency(dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float32
         x = (torch.randn(m, n, device=DEVICE) * 4).to(dtype)
         y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
         for phase in ("forward", "backward"):
-            for name, make in latency_impls(phase).items():
-                if (measure == "host" and name not in ("helpers", "torch", "quack")) or (
-                        impls is not None and name not in impls):
+            makers = latency_impls(phase)
+            if measure == "host":
+                makers = {name: makers[name] for name in ("helpers", "torch", "quack") if name in makers}
+                makers.update(host_parts(phase))
+            for name, make in makers.items():
+                if impls is not None and name not in impls:
                     continue
                 try:
                     fn = make(x, y, dy)
@@ -446,7 +483,7 @@ def main() -> None:
             print(f"{r.phase:8s} {r.dtype:8s} {r.M} x {r.N:9d} helpers {r.gbps / r.copy_gbps:5.2f} of copy")
     if "latency" in args.parts:
         latency = sweep_latency()
-        print(f"wrote {len(latency)} rows to {save_results(latency, path.with_name(path.stem + '-latency.csv'))}")
+        print(f"wrote {len(latency)} rows to {save_results(latency, latency_path(gpu_name()))}")
         for r in select(latency, impl="helpers"):
             peers = {p.impl: p.us for p in select(latency, phase=r.phase, dtype=r.dtype, M=r.M, N=r.N,
                                                   measure=r.measure) if p.impl != "helpers"}

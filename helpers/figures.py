@@ -9,7 +9,7 @@ from pathlib import Path
 
 import matplotlib
 
-from .bench import RESULTS_DIR, Result, load_results, load_tuning, select
+from .bench import DECODE_M, HOST_SHAPES, RESULTS_DIR, Latency, Result, load_latency, load_results, load_tuning, select
 
 IMAGES_DIR = Path(__file__).resolve().parent.parent / "images"
 # the H100 tuning run of the row lengths where shapes were close: 32768 (tile or split) and 50257 (aligned or not)
@@ -25,7 +25,11 @@ STYLE = {  # impl -> (label, colour, marker)
     "helpers": ("this course (helpers.softmax)", "tab:green", "o"),
     "compile": ("torch.compile", "tab:cyan", "P"),
     "liger": ("Liger-Kernel", "tab:brown", "X"),
+    "quack": ("QuACK (CuTe DSL)", "tab:pink", "*"),
+    "launch": ("this course: its launch alone", "tab:olive", ""),
+    "empty_like": ("an output's allocation alone", "tab:gray", ""),
 }
+HOST_TARGET_US = 12  # QuACK's host time per call on the H100 (PEERS.md): the course's target
 
 
 def plot_bandwidth(ax, results: list[Result], impls: list[str], title: str) -> None:
@@ -139,6 +143,65 @@ def peers_figure(results: list[Result], dtypes=("float32", "bfloat16", "float16"
     return fig
 
 
+def latency_figure(rows: list[Latency], dtype: str = "bfloat16"):
+    """Notebook 06: microseconds per call on the decode grid (few rows over a vocabulary), one panel per phase and row
+    count, each implementation eager, and the course's calls replayed from a CUDA graph (dashed)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(DECODE_M), figsize=(4.5 * len(DECODE_M), 7), squeeze=False, sharey=True)
+    for row, phase in enumerate(("forward", "backward")):
+        for ax, m in zip(axes[row], DECODE_M, strict=True):
+            for impl, measure in [(impl, "eager") for impl in ("helpers", "torch", "compile", "liger", "quack")] + [
+                    ("helpers", "graph")]:
+                points = sorted(select(rows, phase=phase, dtype=dtype, M=m, impl=impl, measure=measure),
+                                key=lambda r: r.N)
+                if points:
+                    label, colour, marker = STYLE[impl]
+                    ax.plot([r.N for r in points], [r.us for r in points], marker=marker, color=colour,
+                            linestyle="--" if measure == "graph" else "-",
+                            label=label + (", CUDA graph" if measure == "graph" else ""))
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{phase}, {m} x N, {dtype}")
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("N (vocabulary)")
+        axes[row][0].set_ylabel("us per call")
+    # the scale of the fastest: torch.compile's calls (40-120 us at some points) leave the top
+    shown = [r.us for r in select(rows, dtype=dtype) if r.impl in ("helpers", "torch", "quack") and r.N > 1024]
+    axes[0][0].set_ylim(0, 1.2 * max(shown))
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"recorded on {rows[0].gpu}, {rows[0].date}: eager is the GPU's time per call (do_bench); "
+                 "points above the top are off the scale", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def host_figure(rows: list[Latency]):
+    """Notebook 06: the CPU's time to issue one call of a tiny tensor, per implementation, and the course's call in
+    parts (its launch alone, its output's allocation), against the target (dotted)."""
+    import matplotlib.pyplot as plt
+
+    host = select(rows, measure="host")
+    cases = [(phase, dtype, shape) for phase in ("forward", "backward") for dtype in sorted({r.dtype for r in host})
+             for shape in HOST_SHAPES]
+    impls = [impl for impl in ("helpers", "torch", "quack", "launch", "empty_like") if select(host, impl=impl)]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        label, colour, _ = STYLE[impl]
+        us = [next((r.us for r in select(host, impl=impl, phase=phase, dtype=dtype, M=shape[0], N=shape[1])), 0.0)
+              for phase, dtype, shape in cases]
+        ax.bar([c + i * width for c in range(len(cases))], us, width, color=colour, label=label)
+    ax.axhline(HOST_TARGET_US, color="black", linestyle=":", linewidth=1, label=f"target: {HOST_TARGET_US} us")
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))],
+                  [f"{phase}\n{dtype}\n{m} x {n}" for phase, dtype, (m, n) in cases], fontsize=8)
+    ax.set_ylabel("us of CPU per call")
+    ax.set_title(f"host time to issue one call, GPU kept busy; recorded on {host[0].gpu}, {host[0].date}", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
 def tuning_figure(rows: list[dict], dtype: str = "float32"):
     """Notebook 06: what the tuning sweep saw. Left: one program per tile against a persistent grid (best of each,
     per N). Middle: rows per program at N = 256. Right: split piece size for long rows."""
@@ -229,6 +292,9 @@ def main() -> None:
     figures["06_against_peers.png"] = peers_figure(results)
     figures["06_tuning.png"] = tuning_figure(load_tuning())
     figures["06_alignment.png"] = alignment_figure(load_tuning(ALIGNMENT_TUNING))
+    latency = load_latency()
+    figures["06_latency.png"] = latency_figure(latency)
+    figures["06_host.png"] = host_figure(latency)
     for name, fig in figures.items():
         fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")

@@ -624,23 +624,41 @@ class Step:
     ints: tuple
     constexprs: dict
     num_warps: int
-    direct: object = None  # after the first direct launch: a function of (addresses, stream) that launches
+    direct: object = None  # once prepared: a function of (addresses, stream) that launches (``_direct_launch``)
 
-    def launch(self, tensors: tuple[torch.Tensor, ...], pointers: list[int] | None = None,
-               stream: int | None = None) -> None:
-        """Launch on ``tensors``: directly, given their addresses and a stream (a plain call on a GPU), else through
-        ``kernels.launch``."""
-        if stream is None:  # traced tensors or the interpreter
-            launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs, num_warps=self.num_warps)
-            return
-        if self.direct is None:  # compiles, or finds the kernel in Triton's cache
-            compiled = self.kernel.warmup(*tensors, *self.ints, **self.constexprs, grid=(self.grid,),
-                                          num_warps=self.num_warps)
-            constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(tensors) + len(self.ints):])
-            runner = compiled[(self.grid, 1, 1)]
-            # the compiled kernel's own launcher, handed addresses: given tensors, it asks the driver about each one
-            self.direct = lambda pointers, stream: runner(*pointers, *self.ints, *constants, stream=stream)
-        self.direct(pointers, stream)
+    def run(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Launch through ``kernels.launch``: traced tensors, or the interpreter."""
+        launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs, num_warps=self.num_warps)
+
+    def prepare(self, tensors: tuple[torch.Tensor, ...]):
+        """Compile for ``tensors`` (or find the kernel in Triton's cache) and make ``direct``."""
+        compiled = self.kernel.warmup(*tensors, *self.ints, **self.constexprs, grid=(self.grid,),
+                                      num_warps=self.num_warps)
+        compiled[(self.grid, 1, 1)]  # loads the module: the kernel's function handle and launcher
+        constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(tensors) + len(self.ints):])
+        self.direct = _direct_launch(compiled, self.grid, (*self.ints, *constants))
+        return self.direct
+
+
+def _direct_launch(compiled, grid: int, scalars: tuple):
+    """A function of (addresses, stream) that launches ``compiled`` on ``grid`` programs, the addresses then
+    ``scalars`` as its arguments: its C launch called as Triton's launcher calls it, without the launcher's Python
+    (0.4-2.3 us a call on the H100's host; Triton's launch hooks are not called). The C launch's arguments differ by
+    Triton version: from 3.7 the kernel's arguments come as a tuple with their signature, in 3.5 and 3.6 spread after
+    the scratch buffers. Other versions, and kernels that need scratch memory, go through the launcher."""
+    launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    c_launch = launcher.launch
+    needs_scratch = launcher.global_scratch_size or getattr(launcher, "profile_scratch_size", 0)
+    if needs_scratch or getattr(launcher, "gsan_enabled", False) or not hasattr(launcher, "profile_scratch_size"):
+        return lambda pointers, stream: launcher(grid, 1, 1, stream, function, metadata, None, None, None, *pointers,
+                                                 *scalars)
+    cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+    if hasattr(launcher, "kernel_signature"):
+        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+        return lambda pointers, stream: c_launch(grid, 1, 1, stream, function, cooperative, pdl, metadata, None, None,
+                                                 None, None, None, annotations, signature, (*pointers, *scalars))
+    return lambda pointers, stream: c_launch(grid, 1, 1, stream, function, cooperative, pdl, None, None, metadata, None,
+                                             None, None, *pointers, *scalars)
 
 
 # Scratch buffers up to this size are kept by their recipe from call to call, one set per CUDA stream: a call then
@@ -659,68 +677,122 @@ class Recipe:
     steps: tuple[Step, ...]
     kept: dict = field(default_factory=dict)  # stream -> this recipe's buffers on it, and their addresses
 
-    def run(self, operands: tuple[torch.Tensor, ...], pointers: list[int] | None = None) -> None:
-        """Launch every step on ``operands``: given their addresses (torch.Tensors on a GPU), directly.
+    def run(self, operands: tuple[torch.Tensor, ...]) -> None:
+        """Launch every step on ``operands`` through ``kernels.launch``, on fresh buffers."""
+        tensors = (*operands, *[buffer.allocate(operands[0].device) for buffer in self.buffers])
+        for step in self.steps:
+            step.run(tensors)
+
+    def launch(self, operands: tuple[torch.Tensor, ...], pointers: tuple | list, device: int) -> None:
+        """Launch every step directly on the current stream of GPU ``device``, handed the operands' addresses.
 
         A kept exchange buffer is ready for the next call as the kernels leave it (its tags), and calls on one stream
         run one after another. A call being captured into a CUDA graph takes buffers of its own, whose fill the graph
-        replays: the graph may later run on another stream, beside calls on this one."""
-        if pointers is None:
-            tensors = (*operands, *[buffer.allocate(operands[0].device) for buffer in self.buffers])
-            for step in self.steps:
-                step.launch(tensors)
+        replays: the graph may later run on another stream, beside calls on this one. Without a GPU: ``run``."""
+        if not LAUNCH_DIRECTLY:
+            self.run(operands)
             return
-        stream = _current_stream(operands[0].get_device())
-        buffers, buffer_pointers = self.kept.get(stream, ((), ())) if self.buffers else ((), ())
-        if self.buffers and (not buffers or _capturing()):
-            buffers = tuple(buffer.allocate(operands[0].device) for buffer in self.buffers)
-            buffer_pointers = tuple(buffer.data_ptr() for buffer in buffers)
-            kept_bytes = sum(buffer.numel * buffer.dtype.itemsize for buffer in self.buffers)
-            if kept_bytes <= KEPT_BUFFER_BYTES and not _capturing():
-                self.kept[stream] = buffers, buffer_pointers
-        tensors, pointers = (*operands, *buffers), [*pointers, *buffer_pointers]
+        stream = _current_stream(device)
+        buffers = ()
+        if self.buffers:
+            if _capturing():
+                buffers, buffer_pointers = self._allocate(operands[0].device, None)
+            else:
+                buffers, buffer_pointers = self.kept.get(stream) or self._allocate(operands[0].device, stream)
+            pointers = (*pointers, *buffer_pointers)
         for step in self.steps:
-            step.launch(tensors, pointers, stream)
+            (step.direct or step.prepare((*operands, *buffers)))(pointers, stream)
+
+    def _allocate(self, device: torch.device, stream: int | None) -> tuple:
+        """Fresh buffers and their addresses, kept for ``stream`` if it is not None and they are small."""
+        buffers = tuple(buffer.allocate(device) for buffer in self.buffers)
+        allocated = buffers, tuple(buffer.data_ptr() for buffer in buffers)
+        kept_bytes = sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+        if stream is not None and kept_bytes <= KEPT_BUFFER_BYTES:
+            self.kept[stream] = allocated
+        return allocated
 
 
 _recipes: dict[tuple, Recipe] = {}
 MAX_RECIPES = 4096  # layouts remembered before the cache starts over
 
 
-def _run(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> None:
-    """Run ``build(*operands, plan)``, the recipe cached per layout: shape, device, and each tensor's strides, dtype
-    and whether it starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be
-    symbolic, are planned afresh: torch.compile traces a call once."""
-    pointers, key = [], [build, plan, operands[0].shape, operands[0].get_device()]
+def recipe_for(build, operands: tuple[torch.Tensor, ...], plan: Plan | None = None) -> Recipe:
+    """``build(*operands, plan)``, cached per layout: shape, device, and each tensor's strides, dtype and whether it
+    starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be symbolic, are
+    planned afresh: torch.compile traces a call once."""
+    if not _plain(operands):
+        return build(*operands, plan)
+    key = [build, plan, operands[0].shape, operands[0].get_device()]
     for t in operands:
-        if type(t) is not torch.Tensor:
-            build(*operands, plan).run(operands)
-            return
-        pointers.append(t.data_ptr())
-        key += t.stride(), t.dtype, pointers[-1] % 16 == 0
+        key += t.stride(), t.dtype, t.data_ptr() % 16 == 0
     key = tuple(key)
     recipe = _recipes.get(key)
     if recipe is None:
         if len(_recipes) >= MAX_RECIPES:
             _recipes.clear()
         recipe = _recipes[key] = build(*operands, plan)
-    recipe.run(operands, pointers if LAUNCH_DIRECTLY else None)
+    return recipe
+
+
+def _plain(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether every tensor is a torch.Tensor, not a subclass (a traced FakeTensor, ...)."""
+    for t in tensors:  # a loop: cheaper than all() over a generator
+        if type(t) is not torch.Tensor:
+            return False
+    return True
+
+
+def _run(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> None:
+    recipe = recipe_for(build, operands, plan)
+    if _plain(operands):
+        recipe.launch(operands, [t.data_ptr() for t in operands], operands[0].get_device())
+    else:
+        recipe.run(operands)
 
 
 def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -> None:
     """Softmax of the rows of the 2-D ``x`` into the contiguous 2-D ``y`` with the fused kernels."""
-    _run(_forward_recipe, (y, x), plan)
+    _run(forward_recipe, (y, x), plan)
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
     """dx of the rows of the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx`` with the fused kernels."""
-    _run(_backward_recipe, (dx, y, dy), plan)
+    _run(backward_recipe, (dx, y, dy), plan)
 
 
-def _forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: Plan | None) -> Recipe:
+# Few rows over a long row (sampling and decode: a handful of rows over a vocabulary) leave the default plan few
+# programs, and a call then lasts as long as one program's loads. Pieces of FEW_ROWS_PIECE elements put more programs
+# to work, up to FEW_PROGRAMS in all. On the H100, rows of 20000 to 262144 elements, 1 to 8 of them, GPU time per call
+# (results/nvidia-h100-80gb-hbm3-few-rows.csv; every piece and warp count in *-decode-plans.csv):
+# - forward and 16-bit backward: 6.1-8.4 us against 6.8-9.5 us with the default plan, 0.8 us less on average; 3 of 33
+#   points slower, by at most 0.5 us (noise between runs is about that);
+# - fp32 backward: no gain (5 of 11 points slower, by up to 0.8 us), so it keeps the default plan;
+# - more programs than FEW_PROGRAMS lose: 32 and 64 rows of 20000 and 32000 took up to 2.4 us longer.
+FEW_PROGRAMS = 256
+FEW_ROWS_PIECE = 1024
+FEW_ROWS_WARPS = 4
+
+
+def few_rows_plan(n_rows: int, n_cols: int, phase: str, element_size: int) -> Plan | None:
+    """A split of FEW_ROWS_PIECE pieces for ``n_rows`` rows past ALWAYS_TILE_ROW elements, if it gives them more pieces
+    than the default plan and at most FEW_PROGRAMS in all; else None. Not for the fp32 backward."""
+    if n_cols <= ALWAYS_TILE_ROW or (phase == "backward" and element_size > 2):
+        return None
+    align = 16 // element_size if n_cols % 16 else 1
+    segments = triton.cdiv(n_cols + align - 1, FEW_ROWS_PIECE)
+    if n_rows * segments > FEW_PROGRAMS or segments <= plan_for(n_cols, phase, element_size).segments:
+        return None
+    return Plan(1, FEW_ROWS_PIECE, segments, FEW_ROWS_WARPS, persistent=True, align=align)
+
+
+def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: Plan | None) -> Recipe:
     n_rows, n_cols = x.shape
-    plan = plan or plan_for(n_cols, "forward", x.element_size())
     ints = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
+    few = plan is None and x.dtype != torch.float64 and few_rows_plan(n_rows, n_cols, "forward", x.element_size())
+    if few and (recipe := _split_recipe(softmax_split_kernel, (y, x), ints, few)) is not None:
+        return recipe  # else its pieces do not fit the GPU together: the default plan's may
+    plan = plan or plan_for(n_cols, "forward", x.element_size())
     if plan.segments == 1:
         return _tile_recipe(softmax_tile_kernel, (y, x), ints, plan)
     if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
@@ -730,10 +802,14 @@ def _forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: Plan | None) -> Reci
     return _two_pass_recipe(softmax_two_pass_kernel, (y, x), ints[:3], n_rows, n_cols, partials=2)
 
 
-def _backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: Plan | None) -> Recipe:
+def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: Plan | None) -> Recipe:
     n_rows, n_cols = y.shape
-    plan = plan or plan_for(n_cols, "backward", y.element_size())
     ints = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
+    few = (plan is None and torch.float64 not in (y.dtype, dy.dtype)
+           and few_rows_plan(n_rows, n_cols, "backward", y.element_size()))
+    if few and (recipe := _split_recipe(softmax_backward_split_kernel, (dx, y, dy), ints, few)) is not None:
+        return recipe
+    plan = plan or plan_for(n_cols, "backward", y.element_size())
     if plan.segments == 1:
         return _tile_recipe(softmax_backward_tile_kernel, (dx, y, dy), ints, plan)
     if torch.float64 not in (y.dtype, dy.dtype):

@@ -109,6 +109,53 @@ def _traced(*tensors: torch.Tensor) -> bool:
     return False
 
 
+# Plain calls (torch.Tensors, outside autograd and torch.compile) of a layout seen before go straight to its launch.
+# The first call of a layout (shapes, strides, dtypes, device, dim, 16-byte starts) is checked and planned on its way
+# to the kernels, then leaves its launch here under that key: a call of the same key passes the same checks and plans
+# the same. A forward's key has 6 entries and a backward's 10, so they never meet.
+_plain_calls: dict[tuple, object] = {}
+_new_output = torch.empty_like  # a plain call's output, laid out as its input. Tests replace it, as _new_rows
+
+
+def _remember(key: tuple, call) -> None:
+    if len(_plain_calls) >= fused.MAX_RECIPES:
+        _plain_calls.clear()
+    _plain_calls[key] = call
+
+
+def _forward_call(x: torch.Tensor, dim: int):
+    """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for contiguous rows (softmax over
+    the last dim of a contiguous tensor) its recipe launched on ``x`` and an output laid out as ``x``."""
+    if x.numel() == 0 or not x.is_contiguous() or dim != x.ndim - 1:
+        return lambda x, x_ptr: _forward(x, dim)
+    x_rows = _rows(x, dim)
+    recipe = fused.recipe_for(fused.forward_recipe, (_new_rows(*x_rows.shape, like=x), x_rows))
+    device = x.get_device()
+
+    def launch(x: torch.Tensor, x_ptr: int) -> torch.Tensor:
+        y = _new_output(x)
+        recipe.launch((y, x), (y.data_ptr(), x_ptr), device)
+        return y
+
+    return launch
+
+
+def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
+    """``_forward_call`` for the backward."""
+    if y.numel() == 0 or not (y.is_contiguous() and dy.is_contiguous()) or dim != y.ndim - 1:
+        return lambda y, dy, y_ptr, dy_ptr: _backward(y, dy, dim)
+    y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
+    recipe = fused.recipe_for(fused.backward_recipe, (_new_rows(*y_rows.shape, like=y), y_rows, dy_rows))
+    device = y.get_device()
+
+    def launch(y: torch.Tensor, dy: torch.Tensor, y_ptr: int, dy_ptr: int) -> torch.Tensor:
+        dx = _new_output(y)
+        recipe.launch((dx, y, dy), (dx.data_ptr(), y_ptr, dy_ptr), device)
+        return dx
+
+    return launch
+
+
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device, and a PyTorch operator
     (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 07).
@@ -116,13 +163,22 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64. Its backward is
     ``softmax_backward`` of the saved output.
     """
+    key = None
+    if not torch.compiler.is_compiling() and type(x) is torch.Tensor:
+        x_ptr = x.data_ptr()
+        key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0)
+        call = _plain_calls.get(key)
+        if call is not None and not (x.requires_grad and torch.is_grad_enabled()):
+            return call(x, x_ptr)
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     if _traced(x):
         return _softmax_op(x, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return Softmax.apply(x, dim)  # the operator's autograd, without its dispatcher; its forward comes back here
-    return _forward(x, dim)
+    y = _forward(x, dim)
+    _remember(key, _forward_call(x, dim))
+    return y
 
 
 def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -133,6 +189,14 @@ def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``,
     by the fused Triton backward kernels (notebook 06); ``torch.ops.softmax_course.softmax_backward``."""
+    key = None
+    if not torch.compiler.is_compiling() and type(y) is torch.Tensor and type(dy) is torch.Tensor:
+        y_ptr, dy_ptr = y.data_ptr(), dy.data_ptr()
+        key = (y.shape, dy.shape, y.stride(), dy.stride(), y.dtype, dy.dtype, y.get_device(), dim, y_ptr % 16 == 0,
+               dy_ptr % 16 == 0)
+        call = _plain_calls.get(key)
+        if call is not None and not (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
+            return call(y, dy, y_ptr, dy_ptr)
     _check_tensor("y", y)
     _check_tensor("dy", dy)
     if y.shape != dy.shape:
@@ -140,7 +204,9 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     dim = _dim_index(dim, y.ndim)
     if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
         return _softmax_backward_op(y, dy, dim)
-    return _backward(y, dy, dim)
+    dx = _backward(y, dy, dim)
+    _remember(key, _backward_call(y, dy, dim))
+    return dx
 
 
 class Softmax(torch.autograd.Function):

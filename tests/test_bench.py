@@ -34,6 +34,25 @@ def test_figures_draw_from_recorded_results():
     assert [len(ax.lines) for ax in fig.axes] == [4, 4]  # the copy ceiling and three implementations per dtype
     texts = figures.forward_graph_figure().axes[0].texts  # a box per node; a label and an arrow (annotation) per edge
     assert len(texts) == len(figures.GRAPH_NODES) + 2 * len(figures.GRAPH_EDGES)
+    latency = bench.load_latency()
+    fig = figures.latency_figure(latency)  # a panel per phase and row count: each implementation recorded, and a graph
+    assert len(fig.axes) == 2 * len(bench.DECODE_M) and all(len(ax.lines) >= 3 for ax in fig.axes)
+    bars = figures.host_figure(latency).axes[0].patches  # a bar per implementation and case
+    assert len(bars) % (2 * 2 * len(bench.HOST_SHAPES)) == 0 and len(bars) >= 2 * 2 * 2 * len(bench.HOST_SHAPES)
+
+
+def test_recorded_latency_covers_the_decode_grid():
+    latency = bench.load_latency()
+    for phase in ("forward", "backward"):
+        for dtype in ("bfloat16", "float32"):
+            for m in bench.DECODE_M:
+                for n in bench.DECODE_N:
+                    rows = bench.select(latency, phase=phase, dtype=dtype, M=m, N=n)
+                    assert {("helpers", "eager"), ("helpers", "graph"), ("torch", "eager")} <= {
+                        (r.impl, r.measure) for r in rows}, (phase, dtype, m, n)
+            for m, n in bench.HOST_SHAPES:
+                rows = bench.select(latency, phase=phase, dtype=dtype, M=m, N=n, measure="host")
+                assert {"helpers", "torch"} <= {r.impl for r in rows} and all(r.us > 0 for r in rows)
 
 
 def test_results_path_names_the_gpu():

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn
+from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
 
 import helpers
+from helpers import ops
 
 
 def check_forward(x, dim=-1):
@@ -94,3 +95,32 @@ def test_empty(shape, dim):
     x = randn(*shape)
     y = helpers.softmax_forward(x, dim)
     assert y.shape == x.shape and y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("make_input, dim", [
+    pytest.param(lambda: randn(4, 50), -1, id="contiguous rows"),
+    pytest.param(lambda: randn(2, 3, 50, dtype=torch.bfloat16), 2, id="contiguous, rank 3"),
+    pytest.param(lambda: randn(50, 4).t(), -1, id="transposed"),
+    pytest.param(lambda: randn(4, 50), 0, id="dim 0"),
+    pytest.param(lambda: randn(0, 50), -1, id="empty"),
+])
+def test_repeat_calls_of_a_layout(monkeypatch, make_input, dim):
+    """A plain call of a layout seen before skips the checks and the planning and goes to its launch: it still
+    returns torch's softmax and gradient for new values, and a call that needs autograd still gets it."""
+    x = make_input()
+    check_forward(x, dim)
+    tolerance = dict(atol=2e-2, rtol=2e-2) if x.dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+    dy = randn(*x.shape, dtype=x.dtype)
+    helpers.softmax_backward(helpers.softmax_forward(x, dim), dy, dim)
+    checks = []
+    monkeypatch.setattr(ops, "_check_tensor", lambda *args: checks.append(args))
+    for _ in range(2):  # new values, the same layouts
+        x = make_input()
+        y = check_forward(x, dim)
+        dy = randn(*x.shape, dtype=x.dtype)
+        dx = helpers.softmax_backward(y, dy, dim)
+        torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), **tolerance)
+    assert checks == []  # every call went to the launch its layout left
+    x = make_input().requires_grad_()
+    helpers.softmax(x, dim).backward(dy)
+    torch.testing.assert_close(x.grad.double(), torch_backward(torch.softmax(x.detach(), dim), dy, dim), **tolerance)

@@ -46,12 +46,22 @@ def small_gpu(monkeypatch, looped, request):
     monkeypatch.setattr(fused, "MAX_CHUNKS", 4)
     launches = []
 
-    def recording_launch(step, *args):
+    def record(step):
         launches.append((step.kernel.fn.__name__, step.grid, step.constexprs.get("SEGMENTS")))
-        return launch(step, *args)
 
-    launch = fused.Step.launch
-    monkeypatch.setattr(fused.Step, "launch", recording_launch)
+    def recording_run(step, tensors):  # a launch through the JIT (the interpreter)
+        record(step)
+        return run(step, tensors)
+
+    def recording_launch(recipe, *args):  # launches of compiled kernels (a GPU), or through Step.run
+        if fused.LAUNCH_DIRECTLY:
+            for step in recipe.steps:
+                record(step)
+        return launch(recipe, *args)
+
+    run, launch = fused.Step.run, fused.Recipe.launch
+    monkeypatch.setattr(fused.Step, "run", recording_run)
+    monkeypatch.setattr(fused.Recipe, "launch", recording_launch)
     return request.param, launches
 
 
@@ -264,3 +274,28 @@ def test_repeated_splits_match_torch(monkeypatch, phase):
                                    atol=2e-2, rtol=2e-2)
     names = {step.kernel.fn.__name__ for recipe in fused._recipes.values() for step in recipe.steps}
     assert any("split" in name for name in names), names
+
+
+@pytest.mark.parametrize("resident, pieces", [(4096, fused.FEW_ROWS_PIECE), (60, fused.SEGMENT_ELEMENTS)],
+                         ids=["fits", "does not fit"])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_few_rows_take_small_pieces(monkeypatch, resident, pieces, phase):
+    """One bf16 row of 40000 elements has few programs with the default plan: it takes pieces of FEW_ROWS_PIECE, unless
+    those do not fit the GPU together (on a GPU holding 60 programs, not 4096), when it keeps the default plan's. The
+    fp32 backward always keeps the default plan."""
+    resources = fused.compiled_resources
+    monkeypatch.setattr(fused, "compiled_resources",
+                        lambda *args: dataclasses.replace(resources(*args), resident=resident))
+    monkeypatch.setattr(fused, "most_resident", lambda *args: resident)
+    monkeypatch.setattr(fused, "_recipes", {})
+    x = randn(1, 40000, dtype=torch.bfloat16)
+    y = helpers.softmax_forward(x)
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
+    if phase == "backward":
+        dy = randn(1, 40000, dtype=torch.bfloat16, scale=1.0)
+        torch.testing.assert_close(helpers.softmax_backward(y, dy).double(), torch_backward(y, dy, -1),
+                                   atol=2e-2, rtol=2e-2)
+    kernel = fused.softmax_split_kernel if phase == "forward" else fused.softmax_backward_split_kernel
+    (step,) = [step for recipe in fused._recipes.values() for step in recipe.steps[:1] if step.kernel is kernel]
+    assert step.constexprs["BLOCK_N"] == pieces and step.constexprs["SEGMENTS"] == -(-40000 // pieces)
+    assert fused.few_rows_plan(1, 40000, "backward", 4) is None
