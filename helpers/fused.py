@@ -776,7 +776,9 @@ FEW_ROWS_WARPS = 4
 
 def few_rows_plan(n_rows: int, n_cols: int, phase: str, element_size: int) -> Plan | None:
     """A split of FEW_ROWS_PIECE pieces for ``n_rows`` rows past ALWAYS_TILE_ROW elements, if it gives them more pieces
-    than the default plan and at most FEW_PROGRAMS in all; else None. Not for the fp32 backward."""
+    than the default plan and at most FEW_PROGRAMS in all; else None. Not for the fp32 backward. A symbolic row length
+    is made concrete, as in ``plan_for``; a symbolic row count is only compared (torch.compile guards on the result)."""
+    n_cols = int(n_cols)
     if n_cols <= ALWAYS_TILE_ROW or (phase == "backward" and element_size > 2):
         return None
     align = 16 // element_size if n_cols % 16 else 1
