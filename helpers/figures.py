@@ -30,7 +30,7 @@ STYLE = {  # impl -> (label, colour, marker)
     "launch": ("this course: its launch alone", "tab:olive", ""),
     "empty_like": ("an output's allocation alone", "tab:gray", ""),
 }
-HOST_TARGET_US = 12  # QuACK's host time per call on the H100 (PEERS.md): the course's target
+HOST_TARGET_US = 12  # the course's target: QuACK's host time per call on the H100 when the target was set
 
 
 def plot_bandwidth(ax, results: list[Result], impls: list[str], title: str) -> None:

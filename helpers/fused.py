@@ -643,7 +643,7 @@ class Step:
 def _direct_launch(compiled, grid: int, scalars: tuple):
     """A function of (addresses, stream) that launches ``compiled`` on ``grid`` programs, the addresses then
     ``scalars`` as its arguments: its C launch called as Triton's launcher calls it, without the launcher's Python
-    (0.4-2.3 us a call on the H100's host; Triton's launch hooks are not called). The C launch's arguments differ by
+    (0.9-2.3 us a call on the H100's host; Triton's launch hooks are not called). The C launch's arguments differ by
     Triton version: from 3.7 the kernel's arguments come as a tuple with their signature, in 3.5 and 3.6 spread after
     the scratch buffers. Other versions, and kernels that need scratch memory, go through the launcher."""
     launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
@@ -721,7 +721,7 @@ def recipe_for(build, operands: tuple[torch.Tensor, ...], plan: Plan | None = No
     """``build(*operands, plan)``, cached per layout: shape, device, and each tensor's strides, dtype and whether it
     starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be symbolic, are
     planned afresh: torch.compile traces a call once."""
-    if not _plain(operands):
+    if not plain(operands):
         return build(*operands, plan)
     key = [build, plan, operands[0].shape, operands[0].get_device()]
     for t in operands:
@@ -735,7 +735,7 @@ def recipe_for(build, operands: tuple[torch.Tensor, ...], plan: Plan | None = No
     return recipe
 
 
-def _plain(tensors: tuple[torch.Tensor, ...]) -> bool:
+def plain(tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether every tensor is a torch.Tensor, not a subclass (a traced FakeTensor, ...)."""
     for t in tensors:  # a loop: cheaper than all() over a generator
         if type(t) is not torch.Tensor:
@@ -745,7 +745,7 @@ def _plain(tensors: tuple[torch.Tensor, ...]) -> bool:
 
 def _run(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> None:
     recipe = recipe_for(build, operands, plan)
-    if _plain(operands):
+    if plain(operands):
         recipe.launch(operands, [t.data_ptr() for t in operands], operands[0].get_device())
     else:
         recipe.run(operands)

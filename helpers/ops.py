@@ -101,12 +101,7 @@ _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 def _traced(*tensors: torch.Tensor) -> bool:
     """Whether torch.compile is tracing the call, or a tensor is a subclass (FakeTensors, ...): then the operator
     runs, for the tracer to see. Plain calls skip its dispatcher, which adds Python time to every call."""
-    if torch.compiler.is_compiling():
-        return True
-    for t in tensors:  # a loop: cheaper than any() over a generator
-        if type(t) is not torch.Tensor:
-            return True
-    return False
+    return torch.compiler.is_compiling() or not fused.plain(tensors)
 
 
 # Plain calls (torch.Tensors, outside autograd and torch.compile) of a layout seen before go straight to its launch.
