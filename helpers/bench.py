@@ -60,17 +60,25 @@ def cpu_ms_per_call(fn: Callable[[], object], calls: int = 200, repeats: int = 1
     """Milliseconds of CPU time per call of ``fn`` while the GPU is kept busy, so that calls only queue their work:
     the time the host needs to issue one call, which must stay below the GPU's time per call to keep the GPU fed. The
     fastest of ``repeats`` runs: what the call costs, without what else the machine was doing meanwhile."""
-    fn()
+    return cpu_ms_per_calls({"fn": fn}, calls, repeats)["fn"]
+
+
+def cpu_ms_per_calls(fns: dict, calls: int = 200, repeats: int = 11) -> dict:
+    """``cpu_ms_per_call`` of several functions, taken in turns: each repeat times every function once, so a
+    moment when the machine's CPU is slow falls on all of them alike rather than on whichever was timed then."""
+    for fn in fns.values():
+        fn()
     torch.cuda.synchronize()
-    fastest = float("inf")
+    fastest = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        torch.cuda._sleep(50_000_000)  # about 30 ms of GPU work queued ahead of the calls (4 ms at 20 us a call)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        fastest = min(fastest, time.perf_counter() - start)
-        torch.cuda.synchronize()
-    return fastest / calls * 1e3
+        for name, fn in fns.items():
+            torch.cuda._sleep(50_000_000)  # about 30 ms of GPU work queued ahead of the calls (4 ms at 20 us a call)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            fastest[name] = min(fastest[name], time.perf_counter() - start)
+            torch.cuda.synchronize()
+    return {name: seconds / calls * 1e3 for name, seconds in fastest.items()}
 
 
 def gbps(n_bytes: int, ms: float) -> float:
@@ -407,17 +415,34 @@ def graph_us(fn: Callable[[], object]) -> float:
     return time_ms(graph.replay) * 1e3
 
 
+def copy_reference(phase: str) -> Callable[..., Callable[[], object]]:
+    """A call of one torch kernel that moves the bytes of a ``phase`` call, as ``latency_impls``: the forward's copy of
+    x into y, the backward's sum of y and dy into dx. One launch and no exchange: a reference for what moving the bytes
+    costs, not a bound (a kernel shaped for the call can beat torch's copy at some sizes)."""
+    if phase == "forward":
+        return lambda x, y, dy: functools.partial(torch.Tensor.copy_, torch.empty_like(x), x)
+    return lambda x, y, dy: functools.partial(torch.add, y, dy, out=torch.empty_like(y))
+
+
+GRAPHED = ("helpers", "torch", "quack", "copy")  # decode calls also timed as replays of a CUDA graph
+HOST_TIMED = ("helpers", "torch", "quack")  # and the host's time to issue them
+
+
 def sweep_latency(dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float32), progress: bool = True,
                   impls: Iterable[str] | None = None) -> list[Latency]:
-    """Host time per call on HOST_SHAPES, and eager latency on the decode grid (DECODE_M x DECODE_N), forward and
-    backward, for the course and every peer installed; the course's decode calls also inside a CUDA graph."""
+    """Host time per call on HOST_SHAPES (every call timed in turns, ``cpu_ms_per_calls``), and eager latency on the
+    decode grid (DECODE_M x DECODE_N), forward and backward, for the course, every peer installed and a copy;
+    GRAPHED calls also inside a CUDA graph, and HOST_TIMED ones on the host."""
     from tqdm.auto import tqdm
 
     gpu, date = gpu_name(), datetime.date.today().isoformat()
-    cases = [("host", dtype, shape) for dtype in dtypes for shape in HOST_SHAPES]
-    cases += [("eager", dtype, (m, n)) for dtype in dtypes for n in DECODE_N for m in DECODE_M]
     results = []
-    for measure, dtype, (m, n) in tqdm(cases, desc="latency", disable=not progress):
+
+    def record(name, phase, dtype, m, n, measure, us):
+        results.append(Latency(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, measure, us, date))
+
+    def calls(measure, dtype, m, n):
+        """(name, phase, closure) of every implementation wanted for this case."""
         x = (torch.randn(m, n, device=DEVICE) * 4).to(dtype)
         y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
         for phase in ("forward", "backward"):
@@ -425,19 +450,36 @@ def sweep_latency(dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float32
             if measure == "host":
                 makers = {name: makers[name] for name in ("helpers", "torch", "quack") if name in makers}
                 makers.update(host_parts(phase))
+            else:
+                makers["copy"] = copy_reference(phase)
             for name, make in makers.items():
-                if impls is not None and name not in impls:
-                    continue
-                try:
-                    fn = make(x, y, dy)
-                    timings = {measure: cpu_ms_per_call(fn) * 1e3 if measure == "host" else time_ms(fn) * 1e3}
-                    if measure == "eager" and name == "helpers":
-                        timings["graph"] = graph_us(fn)
-                except Exception as error:  # a peer that refuses a shape (QuACK: rows not a multiple of 16 bytes)
-                    print(f"{name} {phase} {dtype} {m} x {n}: {type(error).__name__}: {str(error)[:100]}")
-                    continue
-                for kind, us in timings.items():
-                    results.append(Latency(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, kind, us, date))
+                if impls is None or name in impls:
+                    try:
+                        yield name, phase, make(x, y, dy)
+                    except Exception as error:  # a peer that refuses a shape (QuACK: rows not 16-byte multiples)
+                        print(f"{name} {phase} {dtype} {m} x {n}: {type(error).__name__}: {str(error)[:100]}")
+
+    host = {(name, phase, dtype, m, n): fn for dtype in dtypes for m, n in HOST_SHAPES
+            for name, phase, fn in calls("host", dtype, m, n)}
+    for (name, phase, dtype, m, n), ms in cpu_ms_per_calls(host).items():
+        record(name, phase, dtype, m, n, "host", ms * 1e3)
+    decode = [(dtype, m, n) for dtype in dtypes for n in DECODE_N for m in DECODE_M]
+    host = {}
+    for dtype, m, n in tqdm(decode, desc="decode grid", disable=not progress):
+        for name, phase, fn in calls("eager", dtype, m, n):
+            try:
+                timings = {"eager": time_ms(fn) * 1e3}
+                if name in GRAPHED:
+                    timings["graph"] = graph_us(fn)
+            except Exception as error:  # QuACK refuses rows that are not 16-byte multiples when called
+                print(f"{name} {phase} {dtype} {m} x {n}: {type(error).__name__}: {str(error)[:100]}")
+                continue
+            for measure, us in timings.items():
+                record(name, phase, dtype, m, n, measure, us)
+            if name in HOST_TIMED:
+                host[name, phase, dtype, m, n] = fn
+    for (name, phase, dtype, m, n), ms in cpu_ms_per_calls(host).items():  # the decode points' host time, in turns
+        record(name, phase, dtype, m, n, "host", ms * 1e3)
     return results
 
 

@@ -146,7 +146,8 @@ def peers_figure(results: list[Result], dtypes=("float32", "bfloat16", "float16"
 
 def latency_figure(rows: list[Latency], dtype: str = "bfloat16"):
     """Notebook 06: microseconds per call on the decode grid (few rows over a vocabulary), one panel per phase and row
-    count, each implementation eager, and the course's calls replayed from a CUDA graph (dashed)."""
+    count, each implementation eager, the course's calls replayed from a CUDA graph (dashed), and one torch kernel
+    copying the same bytes (dotted: ``bench.copy_reference``)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(DECODE_M), figsize=(4.5 * len(DECODE_M), 7), squeeze=False, sharey=True)
@@ -161,6 +162,11 @@ def latency_figure(rows: list[Latency], dtype: str = "bfloat16"):
                     ax.plot([r.N for r in points], [r.us for r in points], marker=marker, color=colour,
                             linestyle="--" if measure == "graph" else "-",
                             label=label + (", CUDA graph" if measure == "graph" else ""))
+            copies = sorted(select(rows, phase=phase, dtype=dtype, M=m, impl="copy", measure="eager"),
+                            key=lambda r: r.N)
+            if copies:
+                ax.plot([r.N for r in copies], [r.us for r in copies], ":", color=STYLE["copy"][1],
+                        label="torch, one kernel copying the same bytes")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{phase}, {m} x N, {dtype}")
             ax.grid(alpha=0.3)

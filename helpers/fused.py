@@ -695,7 +695,7 @@ class Recipe:
         stream = _current_stream(device)
         buffers = ()
         if self.buffers:
-            if _capturing():
+            if stream and _capturing():  # stream 0, CUDA's legacy default stream, cannot be captured
                 buffers, buffer_pointers = self._allocate(operands[0].device, None)
             else:
                 buffers, buffer_pointers = self.kept.get(stream) or self._allocate(operands[0].device, stream)

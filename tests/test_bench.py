@@ -37,6 +37,7 @@ def test_figures_draw_from_recorded_results():
     latency = bench.load_latency()
     fig = figures.latency_figure(latency)  # a panel per phase and row count: each implementation recorded, and a graph
     assert len(fig.axes) == 2 * len(bench.DECODE_M) and all(len(ax.lines) >= 3 for ax in fig.axes)
+    assert all(any("copying" in line.get_label() for line in ax.lines) for ax in fig.axes)  # the copy, dotted
     bars = figures.host_figure(latency).axes[0].patches  # a bar per implementation and case
     assert len(bars) % (2 * 2 * len(bench.HOST_SHAPES)) == 0 and len(bars) >= 2 * 2 * 2 * len(bench.HOST_SHAPES)
 
@@ -48,8 +49,8 @@ def test_recorded_latency_covers_the_decode_grid():
             for m in bench.DECODE_M:
                 for n in bench.DECODE_N:
                     rows = bench.select(latency, phase=phase, dtype=dtype, M=m, N=n)
-                    assert {("helpers", "eager"), ("helpers", "graph"), ("torch", "eager")} <= {
-                        (r.impl, r.measure) for r in rows}, (phase, dtype, m, n)
+                    assert {("helpers", "eager"), ("helpers", "graph"), ("helpers", "host"), ("torch", "eager"),
+                            ("copy", "eager")} <= {(r.impl, r.measure) for r in rows}, (phase, dtype, m, n)
             for m, n in bench.HOST_SHAPES:
                 rows = bench.select(latency, phase=phase, dtype=dtype, M=m, N=n, measure="host")
                 assert {"helpers", "torch"} <= {r.impl for r in rows} and all(r.us > 0 for r in rows)
