@@ -14,6 +14,7 @@ Public API:
     reference                plain PyTorch forward, backward and explicit Jacobian (the oracles)
     kernels                  the teaching kernels of notebooks 01-05 and their launchers
     fused                    notebook 06's kernels at the memory limit, which softmax_forward/backward use
+    columns                  their kind for softmax over another dim of a contiguous tensor, in place
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
     model                    notebook 07's tiny transformer, trained with either softmax
 """
@@ -30,6 +31,7 @@ __all__ = [
     "describe",
     "device",
     "graph_softmax",
+    "columns",
     "fused",
     "kernels",
     "reference",

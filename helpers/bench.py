@@ -102,13 +102,13 @@ def _liger():
 
 
 @functools.cache
-def _compiled(phase: str):
+def _compiled(phase: str, dim: int = -1):
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = 1000  # one graph per shape and dtype: the default 8 falls back to eager
     if phase == "forward":
-        return torch.compile(lambda x: torch.softmax(x, -1), dynamic=False)
-    return torch.compile(lambda y, dy: torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype), dynamic=False)
+        return torch.compile(lambda x: torch.softmax(x, dim), dynamic=False)
+    return torch.compile(lambda y, dy: torch.ops.aten._softmax_backward_data(dy, y, dim, y.dtype), dynamic=False)
 
 
 def peer_forward_impls() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]:
@@ -483,6 +483,64 @@ def sweep_latency(dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float32
     return results
 
 
+# Softmax over a dim that is not the last: a long leading dim, a sequence dim, a segmentation head's 21 classes
+OTHER_DIMS = [((32768, 4096), 0, torch.float32), ((32, 1024, 4096), 1, torch.bfloat16),
+              ((64, 21, 512, 512), 1, torch.float32)]
+
+
+@dataclass
+class DimResult:
+    """A timing of softmax over ``dim`` of a tensor of ``shape`` ("32x1024x4096"), as ``Result``."""
+
+    gpu: str
+    impl: str
+    phase: str
+    dtype: str
+    shape: str
+    dim: int
+    ms: float
+    gbps: float
+    copy_gbps: float
+    date: str
+
+
+def other_dims_path(gpu: str) -> Path:
+    path = results_path(gpu)
+    return path.with_name(path.stem + "-other-dims.csv")
+
+
+def load_other_dims(path: Path | None = None) -> list[DimResult]:
+    """Recorded other-dim timings (``make bench``), found as ``load_results`` finds its sweep."""
+    return _read_rows(path or _recorded(other_dims_path), DimResult)
+
+
+def sweep_other_dims(progress: bool = True) -> list[DimResult]:
+    """The course, torch and torch.compile on OTHER_DIMS, forward and backward, with the copy of the same tensor."""
+    from tqdm.auto import tqdm
+
+    from .ops import softmax_backward, softmax_forward
+
+    gpu, date = gpu_name(), datetime.date.today().isoformat()
+    results = []
+    for shape, dim, dtype in tqdm(OTHER_DIMS, desc="other dims", disable=not progress):
+        x = (torch.randn(shape, device=DEVICE) * 4).to(dtype)
+        y, dy = torch.softmax(x.float(), dim).to(dtype), torch.randn_like(x)
+        ceiling = copy_gbps(x.numel(), dtype)
+        calls = {"forward": {"helpers": functools.partial(softmax_forward, x, dim),
+                             "torch": functools.partial(torch.softmax, x, dim),
+                             "compile": functools.partial(_compiled("forward", dim), x)},
+                 "backward": {"helpers": functools.partial(softmax_backward, y, dy, dim),
+                              "torch": functools.partial(torch._softmax_backward_data, dy, y, dim, dtype),
+                              "compile": functools.partial(_compiled("backward", dim), y, dy)}}
+        for phase, impls in calls.items():
+            n_bytes = ELEMENTS_MOVED[phase] * x.numel() * x.element_size()
+            for name, fn in impls.items():
+                ms = time_ms(fn)
+                results.append(DimResult(gpu, name, phase, str(dtype).removeprefix("torch."),
+                                         "x".join(map(str, shape)), dim, ms, gbps(n_bytes, ms), ceiling, date))
+    return results
+
+
 def spill_report() -> list[dict]:
     """Registers and spills of every variant of the fused kernels compiled in this process."""
     from . import fused
@@ -499,7 +557,7 @@ def spill_report() -> list[dict]:
     return rows
 
 
-PARTS = ("grid", "long-rows", "latency")
+PARTS = ("grid", "long-rows", "other-dims", "latency")
 
 
 def main() -> None:
@@ -523,6 +581,12 @@ def main() -> None:
         print(f"wrote {len(long_rows)} rows to {save_results(long_rows, path.with_name(path.stem + '-long-rows.csv'))}")
         for r in select(long_rows, impl="helpers"):
             print(f"{r.phase:8s} {r.dtype:8s} {r.M} x {r.N:9d} helpers {r.gbps / r.copy_gbps:5.2f} of copy")
+    if "other-dims" in args.parts:
+        other_dims = sweep_other_dims()
+        print(f"wrote {len(other_dims)} rows to {save_results(other_dims, other_dims_path(gpu_name()))}")
+        for r in other_dims:
+            print(f"{r.phase:8s} {r.dtype:8s} dim {r.dim} of {r.shape:14s} {r.impl:8s} "
+                  f"{r.gbps / r.copy_gbps:5.2f} of copy")
     if "latency" in args.parts:
         latency = sweep_latency()
         print(f"wrote {len(latency)} rows to {save_results(latency, latency_path(gpu_name()))}")

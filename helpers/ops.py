@@ -1,14 +1,16 @@
 """The public softmax ops: shape, dtype and stride handling around the kernels, and the autograd wrapper.
 
-Any rank and dim: the softmax dim is moved last and the rest flattened into rows, a view when strides allow it and a
-copy otherwise. Outputs are fresh contiguous rows viewed back into the input's shape; inputs are never written.
+Any rank and dim. Softmax over another dim than the last of contiguous tensors takes the column kernels
+(``helpers.columns``) where the dim is short enough, and its output is laid out as its input. Otherwise the softmax dim
+is moved last and the rest flattened into rows, a view when strides allow it and a copy otherwise, and the output is
+fresh contiguous rows viewed back into the input's shape. Inputs are never written.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import fused, kernels
+from . import columns, fused, kernels
 from .device import DEVICE, INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -78,6 +80,10 @@ def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The body of ``softmax_course::softmax``: rows in, the fused forward launch, rows out."""
     if x.numel() == 0:
         return torch.empty_like(x)
+    if columns.takes_columns(dim, x):
+        y = _new_output(x)
+        columns.launch_forward(x, y, dim)
+        return y
     x_rows = _rows(x, dim)
     y_rows = _new_rows(*x_rows.shape, like=x)
     fused.launch_forward(x_rows, y_rows)
@@ -88,6 +94,10 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     """The body of ``softmax_course::softmax_backward``."""
     if y.numel() == 0:
         return torch.empty_like(y)
+    if columns.takes_columns(dim, y, dy):
+        dx = _new_output(y)
+        columns.launch_backward(y, dy, dx, dim)
+        return dx
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y)
     fused.launch_backward(y_rows, dy_rows, dx_rows)

@@ -30,6 +30,13 @@ TOLERANCE = {
     torch.float32: dict(atol=1e-6, rtol=1e-5),
     torch.float64: dict(atol=1e-12, rtol=1e-12),
 }
+# dx is stored in y's dtype: one rounding of a value of order max|dy| * y.
+BACKWARD_TOLERANCE = {
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float32: dict(atol=1e-6, rtol=1e-5),
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+}
 
 
 @pytest.fixture(autouse=True)

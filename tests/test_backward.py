@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DTYPES, ODD_SHAPE, randn, torch_backward
+from conftest import BACKWARD_TOLERANCE, DTYPES, ODD_SHAPE, randn, torch_backward
 
 import helpers
 from helpers import ops
@@ -12,15 +12,6 @@ AUTOGRAD_SOFTMAXES = [
     pytest.param(helpers.softmax, id="operator"),
     pytest.param(lambda x, dim=-1: ops.Softmax.apply(x, dim), id="autograd.Function"),
 ]
-
-# dx is stored in y's dtype: one rounding of a value of order max|dy| * y.
-BACKWARD_TOLERANCE = {
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-    torch.float32: dict(atol=1e-6, rtol=1e-5),
-    torch.float64: dict(atol=1e-12, rtol=1e-12),
-}
-
 
 def check_backward(y, dy, dim=-1):
     y_before, dy_before = y.clone(), dy.clone()

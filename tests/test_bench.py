@@ -56,5 +56,14 @@ def test_recorded_latency_covers_the_decode_grid():
                 assert {"helpers", "torch"} <= {r.impl for r in rows} and all(r.us > 0 for r in rows)
 
 
+def test_recorded_other_dims_cover_their_shapes():
+    rows = bench.load_other_dims()
+    for shape, dim, dtype in bench.OTHER_DIMS:
+        for phase in ("forward", "backward"):
+            recorded = bench.select(rows, shape="x".join(map(str, shape)), dim=dim, phase=phase,
+                                    dtype=str(dtype).removeprefix("torch."))
+            assert {"helpers", "torch"} <= {r.impl for r in recorded} and all(0 < r.gbps for r in recorded)
+
+
 def test_results_path_names_the_gpu():
     assert bench.results_path("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.csv"
