@@ -455,7 +455,7 @@ WIDEST_TILE = 32768  # ... and 32 for a tile this wide (16-bit forward: ahead of
 ALWAYS_TILE_ROW = 16384
 MAX_TILE_ROW = 32768
 SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds ...
-WIDE_SEGMENT_ELEMENTS = 4096  # ... and in 16 bits, for rows of at least 32 such pieces (the bytes of an fp32 piece)
+WIDE_SEGMENT_ELEMENTS = 4096  # ... or, in 16 bits and in the fp32 forward, a piece twice as wide (``plan_for``)
 
 
 def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
@@ -483,8 +483,8 @@ def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
 
 def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool = True) -> Plan:
     """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``. ``wide_pieces=False``:
-    16-bit splits keep pieces of SEGMENT_ELEMENTS (the launch falls back to them where a compiler gives the wide
-    piece more registers than REGISTER_BUDGET).
+    splits keep pieces of SEGMENT_ELEMENTS (the launch falls back to them where a compiler gives the wide piece more
+    registers than REGISTER_BUDGET).
 
     The shape is compiled into the kernel, so a symbolic row length (torch.compile's dynamic shapes) is made concrete
     here: the compiled graph is then specialised to it."""
@@ -499,19 +499,25 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool =
     # H100 that lifts the 16-bit backward from 0.84 to 0.96 of copy, the 16-bit forward from 0.78 to 0.90, fp32 by
     # 0.01-0.02 (the best shapes of each kind in results/*h100*-tuning-32768-50257.csv).
     align = 16 // element_size if n_cols % 16 else 1
-    # 16-bit pieces are kept as loaded, half the registers of fp32 ones, so long 16-bit rows take pieces of twice the
-    # elements: the same bytes per program as fp32 (H100, bf16, N = 131072 to 262144: forward 0.92-0.94 of copy
-    # against 0.91-0.92, backward 0.97-0.98 against 0.96-0.97; at 50257 the wider pieces lose).
-    wide = wide_pieces and element_size == 2 and n_cols >= 32 * WIDE_SEGMENT_ELEMENTS
+    # Wide pieces, of WIDE_SEGMENT_ELEMENTS:
+    # - 16-bit pieces are kept as loaded, half the registers of fp32 ones, so long 16-bit rows take pieces of twice
+    #   the elements: the same bytes per program as fp32 (H100, bf16, N = 131072 to 262144: forward 0.92-0.94 of copy
+    #   against 0.91-0.92, backward 0.97-0.98 against 0.96-0.97; at 50257 the wider pieces lose);
+    # - fp32 forward rows past MAX_TILE_ROW, with 4 warps (H100, N = 50257 to 262144: 0.96-0.99 of copy against
+    #   0.94-0.98 with pieces of 2048; results/nvidia-h100-80gb-hbm3-split-forward.md).
+    if element_size == 2:
+        wide = wide_pieces and n_cols >= 32 * WIDE_SEGMENT_ELEMENTS
+    else:
+        wide = wide_pieces and element_size == 4 and phase == "forward" and n_cols > MAX_TILE_ROW
     block_n = WIDE_SEGMENT_ELEMENTS if wide else SEGMENT_ELEMENTS
     segments = triton.cdiv(n_cols + align - 1, block_n)
-    # fp32 forward pieces take 2 warps while a row has fewer than 32 pieces (fp32 N = 50257: 0.93 of copy against 0.91
-    # with 4 warps on the H100, 0.88 against 0.84 on the H200; from 32 pieces on, 4 warps win by 0.15-0.2). 16-bit
-    # forward pieces take 1 warp, 2 when wide (H100, bf16 N = 50257: 0.90 against 0.89 with 2; N = 30001: 0.88
-    # against 0.86). 16-bit backward pieces take 2 warps (H100, N = 32768 to 262144: 0.94-0.96 against 0.90-0.94
-    # with 4; aligned at N = 50257: 0.92 against 0.90), 4 when wide.
+    # Narrow fp32 forward pieces take 2 warps while a row has fewer than 32 pieces (fp32 N = 50257: 0.93 of copy
+    # against 0.91 with 4 warps on the H100, 0.88 against 0.84 on the H200; from 32 pieces on, 4 warps win by
+    # 0.15-0.2). 16-bit forward pieces take 1 warp, 2 when wide (H100, bf16 N = 50257: 0.90 against 0.89 with 2;
+    # N = 30001: 0.88 against 0.86). 16-bit backward pieces take 2 warps (H100, N = 32768 to 262144: 0.94-0.96
+    # against 0.90-0.94 with 4; aligned at N = 50257: 0.92 against 0.90), 4 when wide.
     if phase == "forward":
-        warps = (2 if wide else 1) if element_size == 2 else (2 if segments < 32 else 4)
+        warps = (2 if wide else 1) if element_size == 2 else (4 if wide or segments >= 32 else 2)
     else:
         warps = 2 if element_size == 2 and not wide else 4
     return Plan(1, block_n, segments, warps, persistent=True, align=align)
@@ -855,8 +861,8 @@ def _on_16_bytes(t: torch.Tensor) -> bool:
 
 
 def needs_narrow_pieces(plan: Plan, registers: int, spills: int) -> bool:
-    """Whether a split of wide 16-bit pieces compiled to more than REGISTER_BUDGET registers a thread, or spilled (as
-    it can with another Triton version): then it takes pieces of SEGMENT_ELEMENTS, which fit."""
+    """Whether a split of wide pieces compiled to more than REGISTER_BUDGET registers a thread, or spilled (as it can
+    with another Triton version): then it takes pieces of SEGMENT_ELEMENTS, which fit."""
     return plan.block_n == WIDE_SEGMENT_ELEMENTS and (registers > REGISTER_BUDGET or spills > 0)
 
 

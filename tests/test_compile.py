@@ -128,9 +128,9 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
     instruction (ALIGN = 1: none do), and the pieces the launcher runs stay within 128 registers a thread without
     spilling, so 16 one-warp programs (8 two-warp, 4 four-warp ones) fit an SM: the split kernels' speed rests on
     both. Register allocation changes between Triton versions, so the launcher reads the compiled kernel's registers
-    and gives wide 16-bit pieces (4096) over the budget narrow ones (2048); this test applies the same rule to the
-    compiler it runs with. 16-bit pieces fit only because they stay 16-bit until used (``upcast_again``; an fp32 copy
-    takes 145-210 registers)."""
+    and gives wide pieces (4096: 16-bit rows and the fp32 forward) over the budget narrow ones (2048); this test
+    applies the same rule to the compiler it runs with. 16-bit pieces fit only because they stay 16-bit until used
+    (``upcast_again``; an fp32 copy takes 145-210 registers)."""
     out = compile_in_subprocess(SPLIT_KERNELS)
     compiled = [line.split() for line in out.stdout.splitlines()]
     assert len(compiled) == 16, out.stdout
