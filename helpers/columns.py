@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused import LOG2E
 from .kernels import launch, upcast
-
-LOG2E = tl.constexpr(1.4426950408889634)
 
 # Each row of a program's block is a run of WIDE_RUN_BYTES (64 fp32 or 128 16-bit columns), or NARROW_RUN_BYTES from
 # LONG_COLUMN rows on, never under MIN_COLUMNS columns; a warp per WARP_BYTES that the block holds (both inputs of the
@@ -49,7 +48,7 @@ class ColumnPlan:
     looped: bool = False  # BLOCK_R rows at a time down a longer dim
 
 
-def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int = 1) -> ColumnPlan | None:
+def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int = 1) -> ColumnPlan:
     """The block of a column program for a dim of ``n_reduced`` elements ``n_inner`` apart, reading ``n_inputs``
     tensors: held whole up to MAX_REDUCED elements, walked past that. Symbolic sizes (torch.compile's dynamic shapes)
     are made concrete, as in ``fused.plan_for``."""

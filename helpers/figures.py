@@ -10,7 +10,19 @@ from pathlib import Path
 import matplotlib
 import matplotlib.ticker
 
-from .bench import DECODE_M, HOST_SHAPES, RESULTS_DIR, Latency, Result, load_latency, load_results, load_tuning, select
+from .bench import (
+    DECODE_M,
+    HOST_SHAPES,
+    RESULTS_DIR,
+    DimResult,
+    Latency,
+    Result,
+    load_latency,
+    load_other_dims,
+    load_results,
+    load_tuning,
+    select,
+)
 
 IMAGES_DIR = Path(__file__).resolve().parent.parent / "images"
 # the H100 tuning run of the row lengths where shapes were close: 32768 (tile or split) and 50257 (aligned or not)
@@ -282,6 +294,34 @@ def alignment_figure(rows: list[dict], n: int = 50257):
     return fig
 
 
+def other_dims_figure(rows: list[DimResult]):
+    """Notebook 06: softmax over a dim that is not the last, fraction of copy bandwidth, forward and backward."""
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r.shape, r.dim, r.dtype) for r in rows))
+    impls = [impl for impl in ("torch", "compile", "helpers") if any(r.impl == impl for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)
+    height = 0.8 / len(impls)
+    for ax, phase in zip(axes, ("forward", "backward"), strict=True):
+        for k, impl in enumerate(impls):
+            fractions = [next(r.gbps / r.copy_gbps for r in rows if (r.shape, r.dim, r.dtype) == case
+                              and r.phase == phase and r.impl == impl) for case in cases]
+            label, colour, _ = STYLE[impl]
+            ax.barh([i + (k - (len(impls) - 1) / 2) * height for i in range(len(cases))], fractions, height,
+                    color=colour, label=label)
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlim(0, 1.1)
+        ax.set_xlabel("fraction of copy bandwidth")
+        ax.set_title(phase)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(cases)), [f"dim {dim} of {shape}\n{dtype}" for shape, dim, dtype in cases])
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"recorded on {rows[0].gpu}, {rows[0].date}  (dashed: the copy limit)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 BANDWIDTH_FIGURES = {  # file name in images/ -> (phase, impls)
     "01_naive_vs_fused.png": ("forward", ["naive", "torch", "row"]),
     "04_backward.png": ("backward", ["torch", "row", "graph"]),
@@ -302,6 +342,7 @@ def main() -> None:
     latency = load_latency()
     figures["06_latency.png"] = latency_figure(latency)
     figures["06_host.png"] = host_figure(latency)
+    figures["06_other_dims.png"] = other_dims_figure(load_other_dims())
     for name, fig in figures.items():
         fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")
