@@ -542,13 +542,16 @@ def sweep_other_dims(progress: bool = True) -> list[DimResult]:
 
 
 def spill_report() -> list[dict]:
-    """Registers and spills of every variant of the fused kernels compiled in this process."""
-    from . import fused
+    """Registers and spills of every variant of the fused and column kernels compiled in this process."""
+    from . import columns, fused
 
     rows = []
     for kernel in (fused.softmax_tile_kernel, fused.softmax_split_kernel, fused.softmax_backward_tile_kernel,
                    fused.softmax_backward_split_kernel, fused.softmax_two_pass_kernel,
-                   fused.softmax_backward_two_pass_kernel):
+                   fused.softmax_backward_two_pass_kernel, columns.softmax_column_kernel,
+                   columns.softmax_backward_column_kernel, columns.softmax_column_split_kernel,
+                   columns.softmax_backward_column_split_kernel, columns.softmax_column_looped_kernel,
+                   columns.softmax_backward_column_looped_kernel):
         for compiled in kernel.device_caches[torch.cuda.current_device()][0].values():
             compiled._init_handles()
             constants = {k[0] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()}

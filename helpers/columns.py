@@ -4,9 +4,10 @@ A contiguous tensor is seen as (outer, R, inner): softmax runs along R, whose el
 Each program owns BLOCK_C neighbouring columns of one outer index and holds their whole length (BLOCK_R, R's next
 power of two) in registers, so it reads its input once and writes its output once, in the input's own layout: no
 transpose copy, and the output comes out contiguous, as torch's does. Neighbouring columns are neighbours in memory,
-so each of a program's R rows is one contiguous run of BLOCK_C elements. A dim too long to hold is walked twice
-instead (notebook 05's online softmax, down the columns). Notebook 08's column exercise is the small version of these
-kernels.
+so each of a program's R rows is one contiguous run of BLOCK_C elements. A dim too long to hold is split among
+programs that exchange each column's partials, as ``fused``'s split rows do, or, where those programs would not fit
+the GPU together, walked twice (notebook 05's online softmax, down the columns). Notebook 08's column exercise is the
+small version of these kernels.
 """
 
 from __future__ import annotations
@@ -17,23 +18,33 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import LOG2E
-from .kernels import launch, upcast
+from . import fused
+from .fused import FINISH, FUSED, KEEP_IN_L2, LOG2E, pack, read_slots, take_ticket, unpack, upcast_again
+from .kernels import upcast
 
 # Each row of a program's block is a run of WIDE_RUN_BYTES (64 fp32 or 128 16-bit columns), or NARROW_RUN_BYTES from
 # LONG_COLUMN rows on, never under MIN_COLUMNS columns; a warp per WARP_BYTES that the block holds (both inputs of the
-# backward), 2 to 16. Longer dims than MAX_REDUCED would not fit: they are walked (below). Measured on the H100 against
-# every block of 16-256 columns and 2-16 warps, in results/nvidia-h100-80gb-hbm3-columns.csv.
+# backward), 2 to 16. Measured on the H100 against every block of 16-256 columns and 2-16 warps, in
+# results/nvidia-h100-80gb-hbm3-columns.csv. A program holds dims up to MAX_HELD elements (forward) or
+# MAX_HELD_BACKWARD (y and dy); longer ones are split (below).
 WIDE_RUN_BYTES = 256
 NARROW_RUN_BYTES = 64
 LONG_COLUMN = 512
 MIN_COLUMNS = 16
-MAX_REDUCED = 1024
+MAX_HELD = 1024
+MAX_HELD_BACKWARD = 512
 WARP_BYTES = 8192
-# Longer dims are walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS rows at a time, LOOPED_WARPS warps:
-# 3 transfers for the forward's 2, 5 for the backward's 3. Dim 0 of (32768, 4096) fp32 on the H100: 0.55 of copy
-# forward and 0.57 backward, against 0.28 and 0.09 through strided rows (16-32 columns, 64-256 rows, 4-8 warps). It
-# takes at least LOOPED_MIN_PROGRAMS of them: fewer leave the GPU idle, and the rows path shares a row among programs.
+# A longer dim is split: the programs of a column block hold a piece of its rows each and exchange each column's
+# partials, as fused's split rows do, so the data is read once. Pieces of (rows, bytes of columns, warps), the best of
+# 10 on dim 0 of (32768, 4096) fp32 and 9 on dim 1 of (32, 1024, 4096) bf16 on the H100
+# (results/nvidia-h100-80gb-hbm3-column-split.md): forward 0.67 of copy at (32768, 4096) against 0.55 walked;
+# backward 0.69 there against 0.57, and 0.86 at (32, 1024, 4096) against 0.77 held.
+FORWARD_PIECE = (2048, 32, 16)
+BACKWARD_PIECE = (512, 64, 8)
+# A split whose pieces do not fit the GPU together is walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS
+# rows at a time, LOOPED_WARPS warps: 3 transfers for the forward's 2, 5 for the backward's 3. Long dims take the
+# columns only with at least LOOPED_MIN_PROGRAMS walkers: fewer leave the GPU idle, where rows share a row among
+# programs.
 LOOPED_COLUMNS = 32
 LOOPED_ROWS = 256
 LOOPED_WARPS = 8
@@ -46,15 +57,26 @@ class ColumnPlan:
     block_c: int
     num_warps: int
     looped: bool = False  # BLOCK_R rows at a time down a longer dim
+    segments: int = 1  # programs that share a block of columns, BLOCK_R rows each
+
+
+WALKED = ColumnPlan(LOOPED_ROWS, LOOPED_COLUMNS, LOOPED_WARPS, looped=True)
 
 
 def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int = 1) -> ColumnPlan:
     """The block of a column program for a dim of ``n_reduced`` elements ``n_inner`` apart, reading ``n_inputs``
-    tensors: held whole up to MAX_REDUCED elements, walked past that. Symbolic sizes (torch.compile's dynamic shapes)
-    are made concrete, as in ``fused.plan_for``."""
+    tensors (1: forward, 2: backward): held whole up to MAX_HELD (or MAX_HELD_BACKWARD) elements, split among
+    programs past that (walked where the split's programs do not fit the GPU together, ``_recipe``). Symbolic sizes
+    (torch.compile's dynamic shapes) are made concrete, as in ``fused.plan_for``."""
     n_reduced, n_inner = int(n_reduced), int(n_inner)
-    if n_reduced > MAX_REDUCED:
-        return ColumnPlan(LOOPED_ROWS, LOOPED_COLUMNS, LOOPED_WARPS, looped=True)
+    if n_reduced > (MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD):
+        rows, run_bytes, warps = FORWARD_PIECE if n_inputs == 1 else BACKWARD_PIECE
+        return ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows))
+    return _held_plan(n_reduced, n_inner, element_size, n_inputs)
+
+
+def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -> ColumnPlan:
+    """A block that holds the whole dim."""
     block_r = triton.next_power_of_2(n_reduced)
     run_bytes = NARROW_RUN_BYTES if block_r >= LONG_COLUMN else WIDE_RUN_BYTES
     block_c = max(MIN_COLUMNS, min(run_bytes // element_size, triton.next_power_of_2(n_inner)))
@@ -70,7 +92,7 @@ def takes_columns(dim: int, *tensors: torch.Tensor) -> bool:
     if not (0 <= dim < t.ndim - 1 and all(u.is_contiguous() and u.dtype != torch.float64 for u in tensors)):
         return False
     n_outer, n_reduced, n_inner = _sizes(t, dim)
-    return n_inner > 1 and (n_reduced <= MAX_REDUCED
+    return n_inner > 1 and (n_reduced <= MAX_HELD
                             or n_outer * triton.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS)
 
 
@@ -167,20 +189,162 @@ def softmax_backward_column_looped_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_in
         tl.store(dx_ptr + offsets, y * (dy - s[None, :]), mask=mask)
 
 
-def _launch(kernels: tuple, out: torch.Tensor, inputs: tuple[torch.Tensor, ...], dim: int) -> None:
-    """The held kernel of ``kernels`` or the looped one, as ``column_plan`` says."""
-    n_outer, n_reduced, n_inner = _sizes(out, dim)
+@triton.jit
+def column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Where piece ``segment`` of column block ``group`` (its BLOCK_C columns of one outer index) lies: rows
+    segment * BLOCK_R on, BLOCK_R of them, as a 64-bit start and 32-bit offsets from it (fewer registers than 64-bit
+    offsets; the plan keeps BLOCK_R * n_inner under 2**31), and their mask. Nothing of a group past the end (not
+    ``valid``)."""
+    blocks = tl.cdiv(n_inner, BLOCK_C)
+    outer, block = group // blocks, (group % blocks).to(tl.int32)
+    r = tl.arange(0, BLOCK_R)[:, None]
+    c = block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    start = (outer * n_reduced + segment * BLOCK_R) * n_inner
+    return start, r * n_inner + c, (r < tl.where(valid, n_reduced - segment * BLOCK_R, 0)) & (c < n_inner)
+
+
+@triton.jit
+def finish_column_piece(y_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, x, parity,
+                        SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    """y for one piece of column block ``group``, kept as loaded: merge each column's SEGMENTS (m, d) partials, then
+    y = exp(x - m) / d."""
+    parts = tl.arange(0, SEGMENTS_POW2)[:, None]
+    slots = part_ptr + (group * SEGMENTS + parts) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    m_parts, d_parts = unpack(read_slots(slots, parts < tl.where(valid, SEGMENTS, 0), parity))
+    m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
+    m = tl.max(m_parts, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    d_inverse = 1.0 / tl.sum(d_parts * tl.exp2((m_parts - m[None, :]) * LOG2E), axis=0)
+    start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
+    tl.store(y_ptr + start + offsets, tl.exp2((upcast_again(x) - m[None, :]) * LOG2E) * d_inverse[None, :], mask=mask)
+
+
+@triton.jit
+def softmax_column_split_kernel(y_ptr, x_ptr, part_ptr, n_groups, n_reduced, n_inner, SEGMENTS: tl.constexpr,
+                                SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                PHASE: tl.constexpr):
+    """Forward for dims too long for one program: SEGMENTS programs share each block of BLOCK_C columns, BLOCK_R rows
+    each, and merge each column's (m, d) through ``part_ptr``, as ``fused.softmax_split_kernel`` merges a row's: one
+    packed word per column of a piece, tagged with the call's parity, and a ticket counter after the last group's.
+    Groups of SEGMENTS programs walk the column blocks grid-stride, finishing each one iteration behind."""
+    program, parity = take_ticket(part_ptr + n_groups * SEGMENTS * BLOCK_C, PHASE)
+    segment = program % SEGMENTS
+    first, n_walkers = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    columns = tl.arange(0, BLOCK_C)
+    x_prev = tl.zeros((BLOCK_R, BLOCK_C), x_ptr.dtype.element_ty)
+    for group_index in range(first, n_groups + n_walkers, n_walkers):
+        group = tl.cast(group_index, tl.int64)
+        valid = group < n_groups
+        start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
+        x = tl.load(x_ptr + start + offsets, mask=mask, other=float("-inf"), eviction_policy=KEEP_IN_L2)
+        if PHASE != FINISH:
+            m = tl.max(upcast(x), axis=0)
+            m_finite = tl.where(m == float("-inf"), 0.0, m)
+            d = tl.sum(tl.exp2((upcast_again(x) - m_finite[None, :]) * LOG2E), axis=0)
+            tl.store(part_ptr + (group * SEGMENTS + segment) * BLOCK_C + columns, pack(m, d, parity),
+                     mask=columns < tl.where(valid, BLOCK_C, 0))
+        if PHASE == FUSED:
+            finish_column_piece(y_ptr, part_ptr, tl.maximum(group - n_walkers, 0), group >= first + n_walkers,
+                                segment, n_reduced, n_inner, x_prev, parity, SEGMENTS, SEGMENTS_POW2, BLOCK_R,
+                                BLOCK_C)
+            x_prev = x
+        elif PHASE == FINISH:
+            finish_column_piece(y_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, x, parity, SEGMENTS,
+                                SEGMENTS_POW2, BLOCK_R, BLOCK_C)
+
+
+@triton.jit
+def finish_backward_column_piece(dx_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, y, dy, parity,
+                                 SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 BLOCK_C: tl.constexpr):
+    """dx for one piece of column block ``group``: each column's sum(y * dy) from its partials, then y * (dy - sum)."""
+    parts = tl.arange(0, SEGMENTS_POW2)[:, None]
+    slots = part_ptr + (group * SEGMENTS + parts) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    dot_parts, _ = unpack(read_slots(slots, parts < tl.where(valid, SEGMENTS, 0), parity))
+    dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
+    start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
+    tl.store(dx_ptr + start + offsets, upcast_again(y) * (upcast_again(dy) - dot[None, :]), mask=mask)
+
+
+@triton.jit
+def softmax_backward_column_split_kernel(dx_ptr, y_ptr, dy_ptr, part_ptr, n_groups, n_reduced, n_inner,
+                                         SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
+                                         BLOCK_C: tl.constexpr, PHASE: tl.constexpr):
+    """Backward of ``softmax_column_split_kernel``: the programs of a column block exchange each column's part of
+    sum(y * dy)."""
+    program, parity = take_ticket(part_ptr + n_groups * SEGMENTS * BLOCK_C, PHASE)
+    segment = program % SEGMENTS
+    first, n_walkers = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    columns = tl.arange(0, BLOCK_C)
+    y_prev = tl.zeros((BLOCK_R, BLOCK_C), y_ptr.dtype.element_ty)
+    dy_prev = tl.zeros((BLOCK_R, BLOCK_C), dy_ptr.dtype.element_ty)
+    for group_index in range(first, n_groups + n_walkers, n_walkers):
+        group = tl.cast(group_index, tl.int64)
+        valid = group < n_groups
+        start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
+        y = tl.load(y_ptr + start + offsets, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2)
+        dy = tl.load(dy_ptr + start + offsets, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2)
+        if PHASE != FINISH:
+            dot = tl.sum(upcast(y) * upcast(dy), axis=0)
+            tl.store(part_ptr + (group * SEGMENTS + segment) * BLOCK_C + columns, pack(dot, tl.zeros_like(dot), parity),
+                     mask=columns < tl.where(valid, BLOCK_C, 0))
+        if PHASE == FUSED:
+            finish_backward_column_piece(dx_ptr, part_ptr, tl.maximum(group - n_walkers, 0),
+                                         group >= first + n_walkers, segment, n_reduced, n_inner, y_prev, dy_prev,
+                                         parity, SEGMENTS, SEGMENTS_POW2, BLOCK_R, BLOCK_C)
+            y_prev, dy_prev = y, dy
+        elif PHASE == FINISH:
+            finish_backward_column_piece(dx_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, y, dy, parity,
+                                         SEGMENTS, SEGMENTS_POW2, BLOCK_R, BLOCK_C)
+
+
+def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> fused.Recipe:
+    """The launch of ``kernels`` (held, walked, split) on ``operands`` (output first), as ``column_plan`` says. A split
+    is walked instead where its programs do not fit the GPU together, or a piece spans 2**31 elements (its offsets
+    are 32-bit)."""
+    held, walked, split = kernels
+    n_outer, n_reduced, n_inner = _sizes(operands[0], dim)
+    inputs = operands[1:]
     plan = column_plan(n_reduced, n_inner, max(t.element_size() for t in inputs), len(inputs))
-    grid = (n_outer * triton.cdiv(n_inner, plan.block_c),)
-    launch(kernels[plan.looped], grid, out, *inputs, n_reduced, n_inner, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
-           num_warps=plan.num_warps)
+    if plan.segments > 1 and plan.block_r * n_inner < 2**31:
+        n_groups = n_outer * triton.cdiv(n_inner, plan.block_c)
+        ints = (n_groups, n_reduced, n_inner)
+        constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
+                          BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, PHASE=fused.FUSED.value)
+        device = operands[0].device
+        if fused.split_grid(plan.segments, n_groups, fused.most_resident(plan.num_warps, device)):
+            resources = fused.compiled_resources(split, (*operands, fused.PARTIALS, *ints), constexprs,
+                                                 plan.num_warps, device)
+            recipe = fused.exchange_recipe(split, ints, constexprs, plan.num_warps, plan.segments, n_groups,
+                                           plan.segments * plan.block_c, resources.resident)
+            if recipe is not None:
+                return recipe
+    if plan.segments > 1 and n_reduced > MAX_HELD:
+        plan = WALKED
+    elif plan.segments > 1:
+        plan = _held_plan(n_reduced, n_inner, inputs[0].element_size(), len(inputs))
+    grid = n_outer * triton.cdiv(n_inner, plan.block_c)
+    kernel = walked if plan.looped else held
+    return fused.Recipe((), (fused.Step(kernel, grid, (n_reduced, n_inner), dict(BLOCK_R=plan.block_r,
+                                                                                  BLOCK_C=plan.block_c),
+                                        plan.num_warps),))
+
+
+def forward_recipe(y: torch.Tensor, x: torch.Tensor, dim: int) -> fused.Recipe:
+    return _recipe((softmax_column_kernel, softmax_column_looped_kernel, softmax_column_split_kernel), (y, x), dim)
+
+
+def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, dim: int) -> fused.Recipe:
+    return _recipe((softmax_backward_column_kernel, softmax_backward_column_looped_kernel,
+                    softmax_backward_column_split_kernel), (dx, y, dy), dim)
 
 
 def launch_forward(x: torch.Tensor, y: torch.Tensor, dim: int) -> None:
     """y = softmax(x, dim) for contiguous x and y (``takes_columns``)."""
-    _launch((softmax_column_kernel, softmax_column_looped_kernel), y, (x,), dim)
+    fused.run(forward_recipe, (y, x), dim)
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, dim: int) -> None:
     """dx from y and dy, all contiguous (``takes_columns``)."""
-    _launch((softmax_backward_column_kernel, softmax_backward_column_looped_kernel), dx, (y, dy), dim)
+    fused.run(backward_recipe, (dx, y, dy), dim)

@@ -316,9 +316,9 @@ def other_dims_figure(rows: list[DimResult]):
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(cases)), [f"dim {dim} of {shape}\n{dtype}" for shape, dim, dtype in cases])
     axes[0].invert_yaxis()
-    axes[0].legend(fontsize=8, loc="upper right")
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=len(impls))
     fig.suptitle(f"recorded on {rows[0].gpu}, {rows[0].date}  (dashed: the copy limit)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
 

@@ -114,11 +114,17 @@ def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid, parity):
     and the wait's sum counts one copy of each: it can end while another copy, which the merge may read, is still the
     previous call's (Triton 3.9, 64 slots and 128 threads: most calls). Once the wait has seen every slot written, a
     copy still stale loads again; L2 holds the write by then."""
-    mask = parts < tl.where(valid, SEGMENTS, 0)
-    words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
-    while tl.sum(stale(words, parity, mask).to(tl.int32), axis=0) > 0:
-        words = tl.load(part_ptr + row * SEGMENTS + parts, mask=mask, other=0, volatile=True)
-    return tl.load(part_ptr + row * SEGMENTS + parts, mask=stale(words, parity, mask), other=words, volatile=True)
+    return read_slots(part_ptr + row * SEGMENTS + parts, parts < tl.where(valid, SEGMENTS, 0), parity)
+
+
+@triton.jit
+def read_slots(slots, mask, parity):
+    """The packed words at the pointers ``slots`` under ``mask``, of any shape, once every one carries ``parity``
+    (``read_partials``)."""
+    words = tl.load(slots, mask=mask, other=0, volatile=True)
+    while tl.sum(stale(words, parity, mask).to(tl.int32)) > 0:
+        words = tl.load(slots, mask=mask, other=0, volatile=True)
+    return tl.load(slots, mask=stale(words, parity, mask), other=words, volatile=True)
 
 
 @triton.jit
@@ -723,10 +729,10 @@ _recipes: dict[tuple, Recipe] = {}
 MAX_RECIPES = 4096  # layouts remembered before the cache starts over
 
 
-def recipe_for(build, operands: tuple[torch.Tensor, ...], plan: Plan | None = None) -> Recipe:
+def recipe_for(build, operands: tuple[torch.Tensor, ...], plan: Plan | int | None = None) -> Recipe:
     """``build(*operands, plan)``, cached per layout: shape, device, and each tensor's strides, dtype and whether it
     starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be symbolic, are
-    planned afresh: torch.compile traces a call once."""
+    planned afresh: torch.compile traces a call once. (The column kernels pass their dim as ``plan``.)"""
     if not plain(operands):
         return build(*operands, plan)
     key = [build, plan, operands[0].shape, operands[0].get_device()]
@@ -749,7 +755,8 @@ def plain(tensors: tuple[torch.Tensor, ...]) -> bool:
     return True
 
 
-def _run(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> None:
+def run(build, operands: tuple[torch.Tensor, ...], plan: Plan | int | None) -> None:
+    """Launch ``build``'s recipe for ``operands`` (``recipe_for``)."""
     recipe = recipe_for(build, operands, plan)
     if plain(operands):
         recipe.launch(operands, [t.data_ptr() for t in operands], operands[0].get_device())
@@ -759,12 +766,12 @@ def _run(build, operands: tuple[torch.Tensor, ...], plan: Plan | None) -> None:
 
 def launch_forward(x: torch.Tensor, y: torch.Tensor, plan: Plan | None = None) -> None:
     """Softmax of the rows of the 2-D ``x`` into the contiguous 2-D ``y`` with the fused kernels."""
-    _run(forward_recipe, (y, x), plan)
+    run(forward_recipe, (y, x), plan)
 
 
 def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, plan: Plan | None = None) -> None:
     """dx of the rows of the 2-D ``y`` and ``dy`` into the contiguous 2-D ``dx`` with the fused kernels."""
-    _run(backward_recipe, (dx, y, dy), plan)
+    run(backward_recipe, (dx, y, dy), plan)
 
 
 # Few rows over a long row (sampling and decode: a handful of rows over a vocabulary) leave the default plan few
@@ -867,8 +874,7 @@ def needs_narrow_pieces(plan: Plan, registers: int, spills: int) -> bool:
 
 
 def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: Plan) -> Recipe | None:
-    """A split, if a row's programs can be resident together (``split_grid``); None if not. Its exchange buffer, a
-    Buffer of EMPTY slots then the ticket counter (also EMPTY, -1), follows the operands in the kernel's arguments."""
+    """A split, if a row's programs can be resident together (``exchange_recipe``); None if not."""
     n_rows, n_cols = ints[-2:]
     device = operands[0].device
     align = _align(plan, *operands)
@@ -885,18 +891,28 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
         phase = "forward" if kernel is softmax_split_kernel else "backward"
         plan = plan_for(n_cols, phase, operands[1].element_size(), wide_pieces=False)
         resources = compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
-    grid = split_grid(plan.segments, n_rows, resources.resident)
+    return exchange_recipe(kernel, ints, constexprs_for(plan), plan.num_warps, plan.segments, n_rows, plan.segments,
+                           resources.resident)
+
+
+def exchange_recipe(kernel, ints: tuple, constexprs: dict, num_warps: int, segments: int, n_groups: int,
+                    group_slots: int, resident: int) -> Recipe | None:
+    """The launch of a kernel whose groups of ``segments`` programs exchange partials (a split row, or a split block
+    of columns), or None if a group's programs cannot be resident together on a GPU that holds ``resident`` of them
+    (``split_grid``). Its exchange buffer, ``group_slots`` EMPTY slots per group and the ticket counter after them
+    (also EMPTY, -1), follows the operands in the kernel's arguments."""
+    grid = split_grid(segments, n_groups, resident)
     if grid == 0:
         return None
     if INTERPRET:  # programs run one after another, where a wait would never end: two launches instead
-        grid = plan.segments * min(n_rows, CPU_PROGRAMS, grid // plan.segments)
+        grid = segments * min(n_groups, CPU_PROGRAMS, grid // segments)
         phases = (STATISTICS, FINISH)
     else:
         phases = (FUSED,)
-    partials = Buffer(n_rows * plan.segments + 1, torch.int64, EMPTY.value)
+    partials = Buffer(n_groups * group_slots + 1, torch.int64, EMPTY.value)
     # PHASE as a plain int: torch.compile writes the launch out as Python source
-    return Recipe((partials,), tuple(Step(kernel, grid, ints, dict(constexprs_for(plan), PHASE=phase.value),
-                                          plan.num_warps) for phase in phases))
+    return Recipe((partials,), tuple(Step(kernel, grid, ints, dict(constexprs, PHASE=phase.value), num_warps)
+                                     for phase in phases))
 
 
 # The two-pass kernels share a row among at most MAX_CHUNKS programs, each taking blocks of TWO_PASS_BLOCK_BYTES with

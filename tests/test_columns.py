@@ -6,12 +6,12 @@ import torch
 from conftest import BACKWARD_TOLERANCE, DTYPES, TOLERANCE, randn, torch_backward
 
 import helpers
-from helpers import columns
+from helpers import columns, fused
 
 # (shape, dim): a short class dim, a dim of 1, an odd dim over odd columns, the longest dim held, a leading dim
 # the walk's running sum rounds once per chunk of LOOPED_ROWS: fp32 a little looser than TOLERANCE
 LONG_TOLERANCE = {**TOLERANCE, torch.float32: dict(atol=1e-6, rtol=1e-4)}
-SHAPES = [((4, 21, 6, 5), 1), ((3, 1, 7), 1), ((2, 37, 19), 1), ((2, columns.MAX_REDUCED, 3), 1), ((9, 40), 0)]
+SHAPES = [((4, 21, 6, 5), 1), ((3, 1, 7), 1), ((2, 37, 19), 1), ((2, columns.MAX_HELD, 3), 1), ((9, 40), 0)]
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float64])
@@ -41,7 +41,7 @@ def test_autograd_gradient_in_the_input_layout():
 
 
 @pytest.mark.parametrize("make_input, dim", [
-    (lambda: randn(2, columns.MAX_REDUCED + 1, 3), 1),  # too long to hold, too few columns to walk it
+    (lambda: randn(2, columns.MAX_HELD + 1, 3), 1),  # too long to hold, too few columns to walk it
     (lambda: randn(6, 5, 4).transpose(0, 2), 1),  # not contiguous
     (lambda: randn(5, 7, dtype=torch.float64), 0),  # fp64
     (lambda: randn(5, 7), 1),  # the last dim: rows
@@ -53,12 +53,17 @@ def test_other_calls_keep_the_rows_path(make_input, dim):
     torch.testing.assert_close(helpers.softmax_forward(x, dim), torch.softmax(x, dim), **TOLERANCE[x.dtype])
 
 
-@pytest.mark.parametrize("n_reduced", [1, 21, 100, 512, columns.MAX_REDUCED])
+@pytest.mark.parametrize("n_reduced", [1, 21, 100, 512, 1000, columns.MAX_HELD])
 @pytest.mark.parametrize("n_inner", [1, 3, 4096, 262144])
 @pytest.mark.parametrize("element_size", [2, 4])
 @pytest.mark.parametrize("n_inputs", [1, 2])
 def test_plan(n_reduced, n_inner, element_size, n_inputs):
     plan = columns.column_plan(n_reduced, n_inner, element_size, n_inputs)
+    if n_inputs == 2 and n_reduced > columns.MAX_HELD_BACKWARD:  # y and dy take more registers: split sooner
+        rows, run_bytes, warps = columns.BACKWARD_PIECE
+        assert plan == columns.ColumnPlan(rows, run_bytes // element_size, warps, segments=-(-n_reduced // rows))
+        return
+    assert plan.segments == 1 and not plan.looped
     assert plan.block_r >= n_reduced and plan.block_r & (plan.block_r - 1) == 0  # the whole dim, a power of two
     run_bytes = columns.NARROW_RUN_BYTES if n_reduced > columns.LONG_COLUMN // 2 else columns.WIDE_RUN_BYTES
     assert plan.block_c == columns.MIN_COLUMNS or plan.block_c * element_size <= run_bytes
@@ -66,13 +71,36 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
     held_bytes = plan.block_r * plan.block_c * element_size * n_inputs
     assert plan.num_warps in (2, 4, 8, 16) and plan.num_warps * columns.WARP_BYTES <= max(2 * columns.WARP_BYTES,
                                                                                           held_bytes)
-    assert columns.column_plan(columns.MAX_REDUCED + 1, n_inner, element_size).looped
+
+
+@pytest.mark.parametrize("n_inputs", [1, 2])
+@pytest.mark.parametrize("n_reduced", [columns.MAX_HELD + 1, 32768, 10**6])
+def test_split_plan(n_reduced, n_inputs):
+    """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs."""
+    rows, run_bytes, warps = columns.FORWARD_PIECE if n_inputs == 1 else columns.BACKWARD_PIECE
+    for element_size in (2, 4):
+        plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
+        assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
+        assert (plan.segments - 1) * plan.block_r < n_reduced <= plan.segments * plan.block_r and not plan.looped
+
+
+def launched():
+    """The kernels of the launches planned in this test (``fused._recipes`` starts empty in each)."""
+    return {step.kernel.fn.__name__ for recipe in fused._recipes.values() for step in recipe.steps}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_long_dims_are_walked(monkeypatch, dtype):
+@pytest.mark.parametrize("fits", [True, False], ids=["split", "walked"])
+def test_long_dims(monkeypatch, dtype, fits):
+    """A dim too long to hold is split among programs that exchange each column's partials, in pieces of 256 rows
+    here (5 pieces), or walked twice where those programs would not fit the GPU together."""
     monkeypatch.setattr(columns, "LOOPED_MIN_PROGRAMS", 1)  # small enough for the interpreter
-    x = randn(2, columns.MAX_REDUCED + 77, 40, dtype=dtype)
+    monkeypatch.setattr(columns, "FORWARD_PIECE", (256, 64, 4))
+    monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
+    monkeypatch.setattr(fused, "_recipes", {})
+    if not fits:
+        monkeypatch.setattr(fused, "split_grid", lambda *args: 0)
+    x = randn(2, columns.MAX_HELD + 77, 40, dtype=dtype)
     x[0, :, 3] = float("-inf")  # a column of nothing but -inf
     x[1, 5, 7] = float("nan")
     assert columns.takes_columns(1, x)
@@ -84,3 +112,21 @@ def test_long_dims_are_walked(monkeypatch, dtype):
     torch.testing.assert_close(dx.double(), torch_backward(expected, dy, 1), equal_nan=True,
                                **BACKWARD_TOLERANCE[dtype])
     assert dx.stride() == x.stride()
+    split = {"softmax_column_split_kernel", "softmax_backward_column_split_kernel"}
+    walked = {"softmax_column_looped_kernel", "softmax_backward_column_looped_kernel"}
+    assert launched() == (split if fits else walked)
+
+
+@pytest.mark.parametrize("fits", [True, False], ids=["split", "held"])
+def test_backward_held_where_its_split_does_not_fit(monkeypatch, fits):
+    """A backward dim between MAX_HELD_BACKWARD and MAX_HELD is split, or held where the split would not fit."""
+    monkeypatch.setattr(fused, "_recipes", {})
+    if not fits:
+        monkeypatch.setattr(fused, "split_grid", lambda *args: 0)
+    x = randn(2, columns.MAX_HELD, 5)
+    y = helpers.softmax_forward(x, 1)
+    dy = randn(*x.shape, scale=1.0)
+    torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
+                               **BACKWARD_TOLERANCE[torch.float32])
+    backward = "softmax_backward_column_split_kernel" if fits else "softmax_backward_column_kernel"
+    assert launched() == {"softmax_column_kernel", backward}

@@ -28,13 +28,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 arch, dtype = int(sys.argv[1]), sys.argv[2]
-kernels = {name: obj for module in (helpers.kernels, helpers.fused) for name, obj in vars(module).items()
+kernels = {name: obj for module in (helpers.kernels, helpers.fused, helpers.columns)
+           for name, obj in vars(module).items()
            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
-assert len(kernels) >= 11, sorted(kernels)
-CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "ALIGN": 4, "CHUNKS_POW2": 512}  # others: blocks
+assert len(kernels) >= 17, sorted(kernels)
+CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "ALIGN": 4, "CHUNKS_POW2": 512, "BLOCK_R": 256,
+              "BLOCK_C": 16}  # others: blocks
 PARTIALS = {"part_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "dot_ptr": "*fp32"}  # fp64's in fp64
 for name, kernel in sorted(kernels.items()):
-    if dtype == "fp64" and "split" in name:  # fp64 rows too long for a tile take the two-pass kernels
+    # fp64 rows too long for a tile take the two-pass kernels, and fp64 softmax over another dim the rows path
+    if dtype == "fp64" and ("split" in name or "column" in name):
         continue
     phases = (0, 1) if "two_pass" in name else (2,)  # the two-pass kernels run STATISTICS, then FINISH
     for phase in phases if "PHASE" in kernel.arg_names else (None,):

@@ -1,5 +1,6 @@
 """compute-sanitizer's memcheck over the fused kernels (GPU only): every kernel shape of the benchmark grid, forward and
-backward, 16- and 32-bit, contiguous and transposed rows, must access only memory it owns.
+backward, 16- and 32-bit, contiguous and transposed rows, and the column kernels' held and split blocks, must access
+only memory it owns.
 
 A few rows per shape keep the run short; the shapes, not the row counts, decide which code runs."""
 
@@ -31,6 +32,15 @@ for n in bench.GRID_N:
             torch.testing.assert_close(dx.float(), reference.softmax_backward(y.float(), dy.float()), atol=1e-2,
                                        rtol=2e-2)
 print("shapes checked:", len(bench.GRID_N) * 3 * 2)
+# softmax over another dim: held forward and split backward (700), split both ways (3001), odd columns
+for shape in ((3, 700, 45), (2, 3001, 2047)):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(shape, device="cuda").to(dtype) * 4
+        y, dy = helpers.softmax_forward(x, 1), torch.randn_like(x)
+        torch.testing.assert_close(y.float(), torch.softmax(x.float(), 1), atol=1e-2, rtol=2e-2)
+        torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).float(),
+                                   reference.softmax_backward(y.float(), dy.float(), 1), atol=1e-2, rtol=2e-2)
+print("other dims checked:", 4)
 """
 
 
@@ -40,3 +50,4 @@ def test_fused_kernels_memcheck_clean():
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "ERROR SUMMARY: 0 errors" in out.stdout + out.stderr and "shapes checked: 60" in out.stdout, out.stdout
+    assert "other dims checked: 4" in out.stdout, out.stdout

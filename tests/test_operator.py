@@ -101,8 +101,9 @@ def test_model_trains_like_torch_softmax():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-4)
 
 
-# torch.compile over every kernel shape: a tile (1000), splits (50257, 131072) and the two-pass kernels (2**22 + 3),
-# forward and backward, in a subprocess whose timeout fails the test if a launch waits forever.
+# torch.compile over every kernel shape: a tile (1000), splits (50257, 131072), the two-pass kernels (2**22 + 3) and a
+# split down the columns of a dim of 3000, forward and backward, in a subprocess whose timeout fails the test if a
+# launch waits forever.
 COMPILED_ROWS = r"""
 import sys
 import torch
@@ -112,20 +113,21 @@ from torch._inductor.utils import run_and_get_code
 torch._dynamo.config.recompile_limit = 64
 mode = sys.argv[1]
 options = dict(fullgraph=True, dynamic=mode == "dynamic", mode="reduce-overhead" if mode == "cuda-graphs" else None)
-KERNELS = {1000: "softmax_tile_kernel", 50257: "softmax_split_kernel", 131072: "softmax_split_kernel",
-           2**22 + 3: "softmax_two_pass_kernel"}
+# (shape after the rows, softmax dim, the kernel its forward launches)
+CASES = [((1000,), -1, "softmax_tile_kernel"), ((50257,), -1, "softmax_split_kernel"),
+         ((131072,), -1, "softmax_split_kernel"), ((2**22 + 3,), -1, "softmax_two_pass_kernel"),
+         ((3000, 2048), 1, "softmax_column_split_kernel")]
 
 
-def scaled_softmax(x):
-    return helpers.softmax(x * 0.5, -1)
+for shape, dim, kernel in CASES:
+    def scaled_softmax(x):
+        return helpers.softmax(x * 0.5, dim)
 
-
-for n_cols, kernel in KERNELS.items():
     torch._dynamo.reset()
     compiled = torch.compile(scaled_softmax, **options)
-    for rows in (4, 3) if n_cols < 2**22 else (1, 2):  # a second row count: dynamic shapes, or a recompile
-        x = torch.randn(rows, n_cols, device="cuda", requires_grad=True)
-        dy = torch.randn(rows, n_cols, device="cuda")
+    for rows in (4, 3) if shape[0] < 2**22 else (1, 2):  # a second row count: dynamic shapes, or a recompile
+        x = torch.randn(rows, *shape, device="cuda", requires_grad=True)
+        dy = torch.randn(rows, *shape, device="cuda")
         expected = scaled_softmax(x)
         (expected_dx,) = torch.autograd.grad(expected, x, dy)
         for _ in range(3):  # CUDA graphs record on a later call than the first, then replay
@@ -133,11 +135,11 @@ for n_cols, kernel in KERNELS.items():
             (dx,) = torch.autograd.grad(y, x, dy)
         torch.testing.assert_close(y, expected, atol=1e-7, rtol=1e-5)
         torch.testing.assert_close(dx, expected_dx, atol=1e-7, rtol=1e-5)
-    if mode == "default":  # Inductor's code launches the course's kernel for this row length
+    if mode == "default":  # Inductor's code launches the course's kernel for this shape
         torch._dynamo.reset()
         _, (code, *_) = run_and_get_code(torch.compile(scaled_softmax, fullgraph=True), x.detach())
-        assert kernel in code, (n_cols, kernel)
-    print(n_cols, "ok", flush=True)
+        assert kernel in code, (shape, kernel)
+    print(shape, "ok", flush=True)
 """
 
 
@@ -145,4 +147,4 @@ for n_cols, kernel in KERNELS.items():
 @pytest.mark.parametrize("mode", ["default", "dynamic", "cuda-graphs"])
 def test_compiled_every_row_length(mode):
     stdout = run_with_timeout(COMPILED_ROWS, mode, timeout=600)
-    assert stdout.count(" ok") == 4, stdout
+    assert stdout.count(" ok") == 5, stdout
