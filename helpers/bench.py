@@ -112,7 +112,8 @@ def _compiled(phase: str, dim: int = -1):
 
 
 def peer_forward_impls() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]:
-    """The course's public op against its peers: torch eager, torch.compile, and Liger-Kernel when installed."""
+    """The course's public op against its peers: torch eager, torch.compile, and Liger-Kernel and QuACK when
+    installed."""
     from .ops import softmax_forward
 
     impls = {
@@ -122,6 +123,8 @@ def peer_forward_impls() -> dict[str, Callable[[torch.Tensor], Callable[[], obje
     }
     if (liger := _liger()) is not None:
         impls["liger"] = lambda x: lambda: liger._softmax_forward(x)
+    if (quack := _quack()) is not None:
+        impls["quack"] = lambda x: functools.partial(quack.softmax_fwd, x)
     return impls
 
 
@@ -139,6 +142,8 @@ def peer_backward_impls() -> dict[str, Callable[[torch.Tensor, torch.Tensor, tor
             return lambda: liger._softmax_backward(dy, y, *settings)
 
         impls["liger"] = liger_backward
+    if (quack := _quack()) is not None:
+        impls["quack"] = lambda x, y, dy: functools.partial(quack.softmax_bwd, dy, y)
     return impls
 
 
@@ -576,7 +581,7 @@ def main() -> None:
         print(f"wrote {len(results)} rows to {save_results(results, path)}")
         for r in select(results, impl="helpers"):
             best_peer = max((p.gbps for p in select(results, phase=r.phase, dtype=r.dtype, N=r.N)
-                             if p.impl in ("torch", "compile", "liger")), default=0.0)
+                             if p.impl in ("torch", "compile", "liger", "quack")), default=0.0)
             print(f"{r.phase:8s} {r.dtype:8s} N={r.N:6d} helpers {r.gbps / r.copy_gbps:5.2f} of copy, "
                   f"best peer {best_peer / r.copy_gbps:5.2f}")
     if "long-rows" in args.parts:
