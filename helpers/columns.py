@@ -35,12 +35,16 @@ MAX_HELD = 1024
 MAX_HELD_BACKWARD = 512
 WARP_BYTES = 8192
 # A longer dim is split: the programs of a column block hold a piece of its rows each and exchange each column's
-# partials, as fused's split rows do, so the data is read once. Pieces of (rows, bytes of columns, warps), the best of
-# 10 on dim 0 of (32768, 4096) fp32 and 9 on dim 1 of (32, 1024, 4096) bf16 on the H100
-# (results/nvidia-h100-80gb-hbm3-column-split.md): forward 0.67 of copy at (32768, 4096) against 0.55 walked;
-# backward 0.69 there against 0.57, and 0.86 at (32, 1024, 4096) against 0.77 held.
+# partials, as fused's split rows do, so the data is read once. Pieces of (rows, bytes of columns, warps), the best
+# of those measured on the H100 (results/nvidia-h100-80gb-hbm3-column-split.md). Forward: 0.67 of copy at dim 0 of
+# (32768, 4096) fp32 against 0.55 walked. Backward: short pieces of wide runs while a dim has at most
+# MAX_BACKWARD_PIECES of them (dims of 768-8192 over 4096 columns: 0.74-0.93 against 0.69-0.83 with the long dims'
+# piece); a longer dim's merge of SEGMENTS x BLOCK_C partials would outgrow the registers, and it takes
+# LONG_BACKWARD_PIECE (0.69 at (32768, 4096) against 0.57 walked and 0.57 with the short piece).
 FORWARD_PIECE = (2048, 32, 16)
-BACKWARD_PIECE = (512, 64, 8)
+BACKWARD_PIECE = (128, 128, 4)
+MAX_BACKWARD_PIECES = 64
+LONG_BACKWARD_PIECE = (512, 64, 8)
 # A split whose pieces do not fit the GPU together is walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS
 # rows at a time, LOOPED_WARPS warps: 3 transfers for the forward's 2, 5 for the backward's 3. Long dims take the
 # columns only with at least LOOPED_MIN_PROGRAMS walkers: fewer leave the GPU idle, where rows share a row among
@@ -71,6 +75,8 @@ def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int =
     n_reduced, n_inner = int(n_reduced), int(n_inner)
     if n_reduced > (MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD):
         rows, run_bytes, warps = FORWARD_PIECE if n_inputs == 1 else BACKWARD_PIECE
+        if n_inputs == 2 and triton.cdiv(n_reduced, rows) > MAX_BACKWARD_PIECES:
+            rows, run_bytes, warps = LONG_BACKWARD_PIECE
         return ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows))
     return _held_plan(n_reduced, n_inner, element_size, n_inputs)
 

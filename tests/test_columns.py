@@ -60,7 +60,7 @@ def test_other_calls_keep_the_rows_path(make_input, dim):
 def test_plan(n_reduced, n_inner, element_size, n_inputs):
     plan = columns.column_plan(n_reduced, n_inner, element_size, n_inputs)
     if n_inputs == 2 and n_reduced > columns.MAX_HELD_BACKWARD:  # y and dy take more registers: split sooner
-        rows, run_bytes, warps = columns.BACKWARD_PIECE
+        rows, run_bytes, warps = columns.BACKWARD_PIECE  # a few pieces at most, here
         assert plan == columns.ColumnPlan(rows, run_bytes // element_size, warps, segments=-(-n_reduced // rows))
         return
     assert plan.segments == 1 and not plan.looped
@@ -73,11 +73,18 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
                                                                                           held_bytes)
 
 
-@pytest.mark.parametrize("n_inputs", [1, 2])
-@pytest.mark.parametrize("n_reduced", [columns.MAX_HELD + 1, 32768, 10**6])
-def test_split_plan(n_reduced, n_inputs):
-    """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs."""
-    rows, run_bytes, warps = columns.FORWARD_PIECE if n_inputs == 1 else columns.BACKWARD_PIECE
+SHORT_SPLIT = columns.BACKWARD_PIECE[0] * columns.MAX_BACKWARD_PIECES  # the longest backward dim in short pieces
+
+
+@pytest.mark.parametrize("n_inputs, n_reduced, piece", [
+    (1, columns.MAX_HELD + 1, "FORWARD_PIECE"), (1, 32768, "FORWARD_PIECE"), (1, 10**6, "FORWARD_PIECE"),
+    (2, columns.MAX_HELD + 1, "BACKWARD_PIECE"), (2, SHORT_SPLIT, "BACKWARD_PIECE"),
+    (2, SHORT_SPLIT + 1, "LONG_BACKWARD_PIECE"), (2, 32768, "LONG_BACKWARD_PIECE"), (2, 10**6, "LONG_BACKWARD_PIECE"),
+])
+def test_split_plan(n_inputs, n_reduced, piece):
+    """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs: in the backward, short pieces up to
+    MAX_BACKWARD_PIECES of them, long ones past that."""
+    rows, run_bytes, warps = getattr(columns, piece)
     for element_size in (2, 4):
         plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
         assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
