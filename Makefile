@@ -24,8 +24,8 @@ setup:  ## create .venv and install everything (keeps an existing torch/triton)
 	  $(PY) -m pip install -q "$(CPU_TORCH)" "$(CPU_TRITON)"; \
 	fi
 	$(PY) -m pip install -q -r requirements.txt
-	@# helpers importable from anywhere in the venv (notebooks run from notebooks/): a .pth naming this folder
-	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'softmax_course.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
+	@# the course's helpers, editable: importable from anywhere in the venv (notebooks run from notebooks/)
+	$(PY) -m pip install -q -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@$(PY) -c "import torch, triton; print(f'ready: torch {torch.__version__}, triton {triton.__version__}')"
 
@@ -57,4 +57,4 @@ lint:  ## ruff on helpers, tests and notebooks
 	$(PY) -m ruff check .
 
 clean:  ## remove the virtual environment and caches
-	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
