@@ -13,8 +13,13 @@ Public API:
     graph_softmax(x, dim)    notebook 03's softmax, whose backward recomputes the forward and walks its graph
     reference                plain PyTorch forward, backward and explicit Jacobian (the oracles)
     kernels                  the teaching kernels of notebooks 01-05 and their launchers
-    fused                    notebook 06's kernels at the memory limit, which softmax_forward/backward use
-    columns                  their kind for softmax over another dim of a contiguous tensor, in place
+    notebook 06's kernels at the memory limit, which softmax_forward/backward use, a module per idea:
+      tiles                  whole rows per program (short and mid rows)
+      split_rows, exchange   a long row split among programs that exchange partials
+      two_pass               rows too long for a split's programs to be resident together
+      columns                softmax over another dim of a contiguous tensor, in place
+      plans, residency       the shape for a row length; how many programs the GPU holds at once
+      fused, recipes         which kernels a call takes (launch_rows_forward/backward); launching them, cached
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
     model                    notebook 07's tiny transformer, trained with either softmax
 """

@@ -400,11 +400,11 @@ def latency_impls(phase: str) -> dict[str, Callable[..., Callable[[], object]]]:
 
 def host_parts(phase: str) -> dict[str, Callable[..., Callable[[], object]]]:
     """The course's call in parts, as ``latency_impls``: its recipe's launch alone, and its output's allocation."""
-    from . import fused
+    from . import fused, recipes
 
     def launch(x, y, dy):
         operands = (torch.empty_like(x), x) if phase == "forward" else (torch.empty_like(y), y, dy)
-        recipe = fused.recipe_for(fused.forward_recipe if phase == "forward" else fused.backward_recipe, operands)
+        recipe = recipes.recipe_for(fused.forward_recipe if phase == "forward" else fused.backward_recipe, operands)
         return functools.partial(recipe.launch, operands, [t.data_ptr() for t in operands], x.get_device())
 
     return {"launch": launch, "empty_like": lambda x, y, dy: functools.partial(torch.empty_like, x)}
@@ -548,12 +548,12 @@ def sweep_other_dims(progress: bool = True) -> list[DimResult]:
 
 def spill_report() -> list[dict]:
     """Registers and spills of every variant of the fused and column kernels compiled in this process."""
-    from . import columns, fused
+    from . import columns, split_rows, tiles, two_pass
 
     rows = []
-    for kernel in (fused.softmax_tile_kernel, fused.softmax_split_kernel, fused.softmax_backward_tile_kernel,
-                   fused.softmax_backward_split_kernel, fused.softmax_two_pass_kernel,
-                   fused.softmax_backward_two_pass_kernel, columns.softmax_column_kernel,
+    for kernel in (tiles.softmax_tile_kernel, split_rows.softmax_split_kernel, tiles.softmax_backward_tile_kernel,
+                   split_rows.softmax_backward_split_kernel, two_pass.softmax_two_pass_kernel,
+                   two_pass.softmax_backward_two_pass_kernel, columns.softmax_column_kernel,
                    columns.softmax_backward_column_kernel, columns.softmax_column_split_kernel,
                    columns.softmax_backward_column_split_kernel, columns.softmax_column_looped_kernel,
                    columns.softmax_backward_column_looped_kernel):

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fused
-from .fused import FINISH, FUSED, KEEP_IN_L2, LOG2E, pack, read_slots, take_ticket, unpack, upcast_again
+from . import exchange, recipes, residency
+from .exchange import FINISH, FUSED, pack, read_slots, take_ticket, unpack
 from .kernels import upcast
+from .tiles import KEEP_IN_L2, LOG2E, upcast_again
 
 # Each row of a program's block is a run of WIDE_RUN_BYTES (64 fp32 or 128 16-bit columns), or NARROW_RUN_BYTES from
 # LONG_COLUMN rows on, never under MIN_COLUMNS columns; a warp per WARP_BYTES that the block holds (both inputs of the
@@ -71,7 +72,7 @@ def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int =
     """The block of a column program for a dim of ``n_reduced`` elements ``n_inner`` apart, reading ``n_inputs``
     tensors (1: forward, 2: backward): held whole up to MAX_HELD (or MAX_HELD_BACKWARD) elements, split among
     programs past that (walked where the split's programs do not fit the GPU together, ``_recipe``). Symbolic sizes
-    (torch.compile's dynamic shapes) are made concrete, as in ``fused.plan_for``."""
+    (torch.compile's dynamic shapes) are made concrete, as in ``plans.plan_for``."""
     n_reduced, n_inner = int(n_reduced), int(n_inner)
     if n_reduced > (MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD):
         rows, run_bytes, warps = FORWARD_PIECE if n_inputs == 1 else BACKWARD_PIECE
@@ -231,8 +232,8 @@ def softmax_column_split_kernel(y_ptr, x_ptr, part_ptr, n_groups, n_reduced, n_i
                                 SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                                 PHASE: tl.constexpr):
     """Forward for dims too long for one program: SEGMENTS programs share each block of BLOCK_C columns, BLOCK_R rows
-    each, and merge each column's (m, d) through ``part_ptr``, as ``fused.softmax_split_kernel`` merges a row's: one
-    packed word per column of a piece, tagged with the call's parity, and a ticket counter after the last group's.
+    each, and merge each column's (m, d) through ``part_ptr``, as ``split_rows.softmax_split_kernel`` merges a row's:
+    one packed word per column of a piece, tagged with the call's parity, and a ticket counter after the last group's.
     Groups of SEGMENTS programs walk the column blocks grid-stride, finishing each one iteration behind."""
     program, parity = take_ticket(part_ptr + n_groups * SEGMENTS * BLOCK_C, PHASE)
     segment = program % SEGMENTS
@@ -305,7 +306,7 @@ def softmax_backward_column_split_kernel(dx_ptr, y_ptr, dy_ptr, part_ptr, n_grou
                                          SEGMENTS, SEGMENTS_POW2, BLOCK_R, BLOCK_C)
 
 
-def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> fused.Recipe:
+def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> recipes.Recipe:
     """The launch of ``kernels`` (held, walked, split) on ``operands`` (output first), as ``column_plan`` says. A split
     is walked instead where its programs do not fit the GPU together, or a piece spans 2**31 elements (its offsets
     are 32-bit)."""
@@ -317,12 +318,12 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> fus
         n_groups = n_outer * triton.cdiv(n_inner, plan.block_c)
         ints = (n_groups, n_reduced, n_inner)
         constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
-                          BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, PHASE=fused.FUSED.value)
+                          BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, PHASE=exchange.FUSED.value)
         device = operands[0].device
-        if fused.split_grid(plan.segments, n_groups, fused.most_resident(plan.num_warps, device)):
-            resources = fused.compiled_resources(split, (*operands, fused.PARTIALS, *ints), constexprs,
+        if residency.split_grid(plan.segments, n_groups, residency.most_resident(plan.num_warps, device)):
+            resources = residency.compiled_resources(split, (*operands, exchange.PARTIALS, *ints), constexprs,
                                                  plan.num_warps, device)
-            recipe = fused.exchange_recipe(split, ints, constexprs, plan.num_warps, plan.segments, n_groups,
+            recipe = exchange.exchange_recipe(split, ints, constexprs, plan.num_warps, plan.segments, n_groups,
                                            plan.segments * plan.block_c, resources.resident)
             if recipe is not None:
                 return recipe
@@ -332,25 +333,25 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> fus
         plan = _held_plan(n_reduced, n_inner, inputs[0].element_size(), len(inputs))
     grid = n_outer * triton.cdiv(n_inner, plan.block_c)
     kernel = walked if plan.looped else held
-    return fused.Recipe((), (fused.Step(kernel, grid, (n_reduced, n_inner), dict(BLOCK_R=plan.block_r,
+    return recipes.Recipe((), (recipes.Step(kernel, grid, (n_reduced, n_inner), dict(BLOCK_R=plan.block_r,
                                                                                   BLOCK_C=plan.block_c),
                                         plan.num_warps),))
 
 
-def forward_recipe(y: torch.Tensor, x: torch.Tensor, dim: int) -> fused.Recipe:
+def forward_recipe(y: torch.Tensor, x: torch.Tensor, dim: int) -> recipes.Recipe:
     return _recipe((softmax_column_kernel, softmax_column_looped_kernel, softmax_column_split_kernel), (y, x), dim)
 
 
-def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, dim: int) -> fused.Recipe:
+def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, dim: int) -> recipes.Recipe:
     return _recipe((softmax_backward_column_kernel, softmax_backward_column_looped_kernel,
                     softmax_backward_column_split_kernel), (dx, y, dy), dim)
 
 
-def launch_forward(x: torch.Tensor, y: torch.Tensor, dim: int) -> None:
+def launch_columns_forward(x: torch.Tensor, y: torch.Tensor, dim: int) -> None:
     """y = softmax(x, dim) for contiguous x and y (``takes_columns``)."""
-    fused.run(forward_recipe, (y, x), dim)
+    recipes.run(forward_recipe, (y, x), dim)
 
 
-def launch_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, dim: int) -> None:
+def launch_columns_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, dim: int) -> None:
     """dx from y and dy, all contiguous (``takes_columns``)."""
-    fused.run(backward_recipe, (dx, y, dy), dim)
+    recipes.run(backward_recipe, (dx, y, dy), dim)

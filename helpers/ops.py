@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import columns, fused, kernels
+from . import columns, fused, kernels, recipes
 from .device import DEVICE, INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -82,11 +82,11 @@ def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.empty_like(x)
     if columns.takes_columns(dim, x):
         y = _new_output(x)
-        columns.launch_forward(x, y, dim)
+        columns.launch_columns_forward(x, y, dim)
         return y
     x_rows = _rows(x, dim)
     y_rows = _new_rows(*x_rows.shape, like=x)
-    fused.launch_forward(x_rows, y_rows)
+    fused.launch_rows_forward(x_rows, y_rows)
     return _unrows(y_rows, x, dim)
 
 
@@ -96,11 +96,11 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.empty_like(y)
     if columns.takes_columns(dim, y, dy):
         dx = _new_output(y)
-        columns.launch_backward(y, dy, dx, dim)
+        columns.launch_columns_backward(y, dy, dx, dim)
         return dx
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y)
-    fused.launch_backward(y_rows, dy_rows, dx_rows)
+    fused.launch_rows_backward(y_rows, dy_rows, dx_rows)
     return _unrows(dx_rows, y, dim)
 
 
@@ -111,7 +111,7 @@ _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 def _traced(*tensors: torch.Tensor) -> bool:
     """Whether torch.compile is tracing the call, or a tensor is a subclass (FakeTensors, ...): then the operator
     runs, for the tracer to see. Plain calls skip its dispatcher, which adds Python time to every call."""
-    return torch.compiler.is_compiling() or not fused.plain(tensors)
+    return torch.compiler.is_compiling() or not recipes.plain(tensors)
 
 
 # Plain calls (torch.Tensors, outside autograd and torch.compile) of a layout seen before go straight to its launch.
@@ -123,7 +123,7 @@ _new_output = torch.empty_like  # a plain call's output, laid out as its input. 
 
 
 def _remember(key: tuple, call) -> None:
-    if len(_plain_calls) >= fused.MAX_RECIPES:
+    if len(_plain_calls) >= recipes.MAX_RECIPES:
         _plain_calls.clear()
     _plain_calls[key] = call
 
@@ -134,7 +134,7 @@ def _forward_call(x: torch.Tensor, dim: int):
     if x.numel() == 0 or not x.is_contiguous() or dim != x.ndim - 1:
         return lambda x, x_ptr: _forward(x, dim)
     x_rows = _rows(x, dim)
-    recipe = fused.recipe_for(fused.forward_recipe, (_new_rows(*x_rows.shape, like=x), x_rows))
+    recipe = recipes.recipe_for(fused.forward_recipe, (_new_rows(*x_rows.shape, like=x), x_rows))
     device = x.get_device()
 
     def launch(x: torch.Tensor, x_ptr: int) -> torch.Tensor:
@@ -150,7 +150,7 @@ def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
     if y.numel() == 0 or not (y.is_contiguous() and dy.is_contiguous()) or dim != y.ndim - 1:
         return lambda y, dy, y_ptr, dy_ptr: _backward(y, dy, dim)
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
-    recipe = fused.recipe_for(fused.backward_recipe, (_new_rows(*y_rows.shape, like=y), y_rows, dy_rows))
+    recipe = recipes.recipe_for(fused.backward_recipe, (_new_rows(*y_rows.shape, like=y), y_rows, dy_rows))
     device = y.get_device()
 
     def launch(y: torch.Tensor, dy: torch.Tensor, y_ptr: int, dy_ptr: int) -> torch.Tensor:

@@ -70,7 +70,7 @@ def scaled_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
     return y
 
 
-# How the course's fused kernels cut each shape: (rows per program, programs per row), as fused.plan_for decides.
+# How the course's fused kernels cut each shape: (rows per program, programs per row), as plans.plan_for decides.
 predicted_plans = {"wide": (1, 1), "tall": (8, 1), "square": (1, 1), "vocabulary": (1, 13)}
 
 

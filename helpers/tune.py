@@ -13,7 +13,7 @@ import csv
 import torch
 import triton
 
-from . import bench, fused
+from . import bench, fused, plans
 from .device import DEVICE
 
 TILE_ELEMENTS = (256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -22,7 +22,7 @@ ELEMENTS_PER_THREAD = (4, 8, 16, 32, 64)
 N_VALUES = (256, 1024, 4096, 16384, 32768, 50257, 65536, 131072, 151936, 262144)
 
 
-def candidate_plans(n_cols: int, element_size: int) -> list[fused.Plan]:
+def candidate_plans(n_cols: int, element_size: int) -> list[plans.Plan]:
     block = triton.next_power_of_2(n_cols)
     aligns = (1, 16 // element_size) if n_cols % 16 else (1,)  # rows off 16-byte boundaries: pieces aligned or not
     plans = set()
@@ -34,23 +34,23 @@ def candidate_plans(n_cols: int, element_size: int) -> list[fused.Plan]:
             for tile in TILE_ELEMENTS:
                 rows = max(1, tile // block)
                 for persistent in (False, True):
-                    plans.add(fused.Plan(rows, block, 1, warps(rows * block), persistent))
+                    plans.add(plans.Plan(rows, block, 1, warps(rows * block), persistent))
         if n_cols > 4096:
             for segment in SEGMENT_ELEMENTS:
                 for align in aligns if segment < block else ():
                     segments = triton.cdiv(n_cols + align - 1, segment)
-                    plans.add(fused.Plan(1, segment, segments, warps(segment), True, align))
+                    plans.add(plans.Plan(1, segment, segments, warps(segment), True, align))
     return sorted(plans, key=lambda p: (p.segments, p.rows, p.block_n, p.num_warps, p.persistent, p.align))
 
 
-def time_plan(phase: str, plan: fused.Plan, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> float:
+def time_plan(phase: str, plan: plans.Plan, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> float:
     out = torch.empty_like(x)
     if phase == "forward":
-        fused.launch_forward(x, out, plan)
+        fused.launch_rows_forward(x, out, plan)
         torch.testing.assert_close(out, y, atol=1e-2, rtol=1e-2)  # a shape that is fast but wrong must not win
-        return bench.time_ms(lambda: fused.launch_forward(x, out, plan))
-    fused.launch_backward(y, dy, out, plan)
-    return bench.time_ms(lambda: fused.launch_backward(y, dy, out, plan))
+        return bench.time_ms(lambda: fused.launch_rows_forward(x, out, plan))
+    fused.launch_rows_backward(y, dy, out, plan)
+    return bench.time_ms(lambda: fused.launch_rows_backward(y, dy, out, plan))
 
 
 def main() -> None:
@@ -82,7 +82,7 @@ def main() -> None:
                                          plan.num_warps, int(plan.persistent), plan.align, f"{ms:.5f}",
                                          f"{fraction:.3f}"])
                         best = max(best or (0, plan), (fraction, plan), key=lambda t: t[0])
-                    default = fused.plan_for(n, phase, x.element_size())
+                    default = plans.plan_for(n, phase, x.element_size())
                     print(f"{phase:8s} {str(dtype)[6:]:8s} N={n:6d} best {best[0]:.2f} {best[1]}  default {default}",
                           flush=True)
                 f.flush()

@@ -57,11 +57,11 @@ def looped(monkeypatch):
     kernels), in pieces of 16 (32 where ``plan_for`` takes wide pieces), so odd row lengths span several pieces."""
     monkeypatch.setattr(helpers.kernels, "ROW_BLOCK_LIMIT", 16)
     monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
-    monkeypatch.setattr(helpers.fused, "ALWAYS_TILE_ROW", 8)
-    monkeypatch.setattr(helpers.fused, "MAX_TILE_ROW", 16)
-    monkeypatch.setattr(helpers.fused, "SEGMENT_ELEMENTS", 16)
-    monkeypatch.setattr(helpers.fused, "WIDE_SEGMENT_ELEMENTS", 32)
-    monkeypatch.setattr(helpers.fused, "_recipes", {})  # launches planned with the sizes above stay in this test
+    monkeypatch.setattr(helpers.plans, "ALWAYS_TILE_ROW", 8)
+    monkeypatch.setattr(helpers.plans, "MAX_TILE_ROW", 16)
+    monkeypatch.setattr(helpers.plans, "SEGMENT_ELEMENTS", 16)
+    monkeypatch.setattr(helpers.plans, "WIDE_SEGMENT_ELEMENTS", 32)
+    monkeypatch.setattr(helpers.recipes, "_recipes", {})  # launches planned with the sizes above stay in this test
 
 
 def randn(*shape, dtype=torch.float32, scale=3.0):

@@ -6,7 +6,7 @@ import torch
 from conftest import BACKWARD_TOLERANCE, DTYPES, TOLERANCE, randn, torch_backward
 
 import helpers
-from helpers import columns, fused
+from helpers import columns, recipes, residency
 
 # (shape, dim): a short class dim, a dim of 1, an odd dim over odd columns, the longest dim held, a leading dim
 # the walk's running sum rounds once per chunk of LOOPED_ROWS: fp32 a little looser than TOLERANCE
@@ -92,8 +92,8 @@ def test_split_plan(n_inputs, n_reduced, piece):
 
 
 def launched():
-    """The kernels of the launches planned in this test (``fused._recipes`` starts empty in each)."""
-    return {step.kernel.fn.__name__ for recipe in fused._recipes.values() for step in recipe.steps}
+    """The kernels of the launches planned in this test (``recipes._recipes`` starts empty in each)."""
+    return {step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -104,9 +104,9 @@ def test_long_dims(monkeypatch, dtype, fits):
     monkeypatch.setattr(columns, "LOOPED_MIN_PROGRAMS", 1)  # small enough for the interpreter
     monkeypatch.setattr(columns, "FORWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
-    monkeypatch.setattr(fused, "_recipes", {})
+    monkeypatch.setattr(recipes, "_recipes", {})
     if not fits:
-        monkeypatch.setattr(fused, "split_grid", lambda *args: 0)
+        monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     x = randn(2, columns.MAX_HELD + 77, 40, dtype=dtype)
     x[0, :, 3] = float("-inf")  # a column of nothing but -inf
     x[1, 5, 7] = float("nan")
@@ -127,9 +127,9 @@ def test_long_dims(monkeypatch, dtype, fits):
 @pytest.mark.parametrize("fits", [True, False], ids=["split", "held"])
 def test_backward_held_where_its_split_does_not_fit(monkeypatch, fits):
     """A backward dim between MAX_HELD_BACKWARD and MAX_HELD is split, or held where the split would not fit."""
-    monkeypatch.setattr(fused, "_recipes", {})
+    monkeypatch.setattr(recipes, "_recipes", {})
     if not fits:
-        monkeypatch.setattr(fused, "split_grid", lambda *args: 0)
+        monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     x = randn(2, columns.MAX_HELD, 5)
     y = helpers.softmax_forward(x, 1)
     dy = randn(*x.shape, scale=1.0)

@@ -28,7 +28,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 arch, dtype = int(sys.argv[1]), sys.argv[2]
-kernels = {name: obj for module in (helpers.kernels, helpers.fused, helpers.columns)
+modules = (helpers.kernels, helpers.tiles, helpers.split_rows, helpers.two_pass, helpers.columns)
+kernels = {name: obj for module in modules
            for name, obj in vars(module).items()
            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
 assert len(kernels) >= 17, sorted(kernels)
@@ -83,7 +84,7 @@ from helpers.display import cuobjdump
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-fused = helpers.fused
+from helpers import exchange, fused, plans, split_rows, tiles
 
 
 # kernel compiled for sm_90 as launched on contiguous rows (16-byte aligned data pointers, unit column strides; the
@@ -109,18 +110,19 @@ def compile_as_launched(kernel, dtype, constexprs, num_warps, ints_multiple_of_1
 """
 
 SPLIT_KERNELS = AS_LAUNCHED_ON_H100 + r"""
-for phase, kernel in (("forward", fused.softmax_split_kernel), ("backward", fused.softmax_backward_split_kernel)):
+for phase, kernel in (("forward", split_rows.softmax_split_kernel),
+                      ("backward", split_rows.softmax_backward_split_kernel)):
     for dtype, element_size in (("bf16", 2), ("fp32", 4)):
         for n_cols in (50257, 131083):  # odd row strides; the longer rows take 16-bit pieces of 4096
-            for align in (1, fused.plan_for(n_cols, phase, element_size).align):
-                plan = fused.plan_for(n_cols, phase, element_size)
+            for align in (1, plans.plan_for(n_cols, phase, element_size).align):
+                plan = plans.plan_for(n_cols, phase, element_size)
                 while True:  # the launcher's rule: wide pieces over the register budget fall back to narrow ones
                     constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
-                                      BLOCK_N=plan.block_n, PHASE=fused.FUSED.value, ALIGN=align)
+                                      BLOCK_N=plan.block_n, PHASE=exchange.FUSED.value, ALIGN=align)
                     compiled, registers, stack = compile_as_launched(kernel, dtype, constexprs, plan.num_warps)
                     if not fused.needs_narrow_pieces(plan, registers, stack):
                         break
-                    plan = fused.plan_for(n_cols, phase, element_size, wide_pieces=False)
+                    plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
                 wide_loads = len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4", compiled.asm["ptx"]))
                 print(phase, dtype, n_cols, plan.block_n, align, registers, stack, wide_loads)
 """
@@ -147,9 +149,9 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
 
 WIDEST_BACKWARD_TILE = AS_LAUNCHED_ON_H100 + r"""
 for dtype, element_size, n_cols in (("bf16", 2, 32768), ("fp16", 2, 32768), ("fp32", 4, 32768), ("bf16", 2, 30001)):
-    plan = fused.plan_for(n_cols, "backward", element_size)
+    plan = plans.plan_for(n_cols, "backward", element_size)
     # the whole-row tile of 32 warps for every case; n_rows, n_cols and the row strides are multiples of 16 at 32768
-    _, _, stack = compile_as_launched(fused.softmax_backward_tile_kernel, dtype, dict(ROWS=1, BLOCK_N=32768), 32,
+    _, _, stack = compile_as_launched(tiles.softmax_backward_tile_kernel, dtype, dict(ROWS=1, BLOCK_N=32768), 32,
                                       ints_multiple_of_16=n_cols % 16 == 0)
     print(f"{dtype}-{n_cols}", plan.segments, stack)
 """

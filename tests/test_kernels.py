@@ -5,7 +5,7 @@ import torch
 from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
 
 import helpers
-from helpers import fused, kernels
+from helpers import kernels, plans, residency
 
 FORWARD = [kernels.softmax_kernel, kernels.softmax_online_kernel]
 BACKWARD = [kernels.softmax_backward_kernel, kernels.softmax_backward_looped_kernel]
@@ -35,9 +35,9 @@ def test_backward_kernels(kernel, dtype):
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 @pytest.mark.parametrize("n_cols", [1, 3, 256, 781, 1024, 4097, 16384, 32769, 50257, 65536, 151936, 262144])
 def test_plans_cover_the_row(phase, n_cols, element_size):
-    plan = fused.plan_for(n_cols, phase, element_size)
+    plan = plans.plan_for(n_cols, phase, element_size)
     assert plan.segments * plan.block_n >= n_cols > (plan.segments - 1) * plan.block_n
-    assert plan.rows * plan.block_n <= max(fused.TILE_ELEMENTS, plan.block_n)
+    assert plan.rows * plan.block_n <= max(plans.TILE_ELEMENTS, plan.block_n)
     assert 1 <= plan.num_warps <= 16
     assert plan.persistent == (plan.segments > 1)  # a split must be persistent (all its programs resident)
 
@@ -46,4 +46,4 @@ def test_fused_grid_is_persistent(looped):
     """Under the interpreter the grid is a few programs (or groups), so each loops over several tiles or rows."""
     x = randn(23, 50)  # 4 segments of 16 per row under `looped`
     torch.testing.assert_close(helpers.softmax_forward(x), torch.softmax(x, -1))
-    assert fused.CPU_PROGRAMS < 23
+    assert residency.CPU_PROGRAMS < 23

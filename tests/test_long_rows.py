@@ -13,7 +13,7 @@ import torch
 from conftest import ON_GPU, randn, run_with_timeout, torch_backward
 
 import helpers
-from helpers import fused
+from helpers import plans, recipes, residency, split_rows, two_pass
 
 # Programs a small GPU holds at once: 8 SMs with one program each, a T4 (40 SMs) with 1, 4 and 16 per SM.
 SMALL_GPUS = {"8 SMs x 1": 8, "T4 x 1": 40, "T4 x 4": 160, "T4 x 16": 640}
@@ -26,12 +26,12 @@ def test_split_waits_only_for_resident_programs(resident, phase, element_size):
     """Every row length up to 2**28, as planned: a split's grid is whole groups of a row's programs, all of them
     resident together with room to spare, or nothing (the two-pass kernels take the row)."""
     for n_cols in [2**k + extra for k in range(14, 29) for extra in (-1, 0, 3)]:
-        plan = fused.plan_for(n_cols, phase, element_size)
+        plan = plans.plan_for(n_cols, phase, element_size)
         for n_rows in (1, 2, 7, 1000):
-            grid = fused.split_grid(plan.segments, n_rows, resident)
+            grid = residency.split_grid(plan.segments, n_rows, resident)
             assert grid % plan.segments == 0 and grid <= resident, (n_cols, n_rows, grid)
             if grid:
-                assert plan.segments * fused.RESIDENCY_MARGIN <= resident
+                assert plan.segments * residency.RESIDENCY_MARGIN <= resident
                 assert grid // plan.segments <= n_rows
 
 
@@ -39,11 +39,11 @@ def test_split_waits_only_for_resident_programs(resident, phase, element_size):
 def small_gpu(monkeypatch, looped, request):
     """A GPU (or the interpreter) that holds ``request.param`` programs, with splits of 16-element pieces and two-pass
     blocks of 16 fp32 elements, at most 4 chunks a row: launches are recorded as (kernel name, grid, SEGMENTS)."""
-    resources = fused.compiled_resources
-    monkeypatch.setattr(fused, "compiled_resources", lambda *args: dataclasses.replace(resources(*args),
+    resources = residency.compiled_resources
+    monkeypatch.setattr(residency, "compiled_resources", lambda *args: dataclasses.replace(resources(*args),
                                                                                      resident=request.param))
-    monkeypatch.setattr(fused, "TWO_PASS_BLOCK_BYTES", 64)
-    monkeypatch.setattr(fused, "MAX_CHUNKS", 4)
+    monkeypatch.setattr(two_pass, "TWO_PASS_BLOCK_BYTES", 64)
+    monkeypatch.setattr(two_pass, "MAX_CHUNKS", 4)
     launches = []
 
     def record(step):
@@ -54,14 +54,14 @@ def small_gpu(monkeypatch, looped, request):
         return run(step, tensors)
 
     def recording_launch(recipe, *args):  # launches of compiled kernels (a GPU), or through Step.run
-        if fused.LAUNCH_DIRECTLY:
+        if recipes.LAUNCH_DIRECTLY:
             for step in recipe.steps:
                 record(step)
         return launch(recipe, *args)
 
-    run, launch = fused.Step.run, fused.Recipe.launch
-    monkeypatch.setattr(fused.Step, "run", recording_run)
-    monkeypatch.setattr(fused.Recipe, "launch", recording_launch)
+    run, launch = recipes.Step.run, recipes.Recipe.launch
+    monkeypatch.setattr(recipes.Step, "run", recording_run)
+    monkeypatch.setattr(recipes.Recipe, "launch", recording_launch)
     return request.param, launches
 
 
@@ -86,12 +86,12 @@ def test_long_rows_on_a_small_gpu(small_gpu, dtype, n_cols):
     check(x)
     for name, grid, segments in launches:
         if "split" in name:
-            assert grid <= resident and grid % segments == 0 and segments * fused.RESIDENCY_MARGIN <= resident
+            assert grid <= resident and grid % segments == 0 and segments * residency.RESIDENCY_MARGIN <= resident
     for phase in ("forward", "backward"):
         names = {name for name, *_ in launches if ("backward" in name) == (phase == "backward")}
-        segments = fused.plan_for(n_cols, phase, x.element_size()).segments
+        segments = plans.plan_for(n_cols, phase, x.element_size()).segments
         # fp64 partials never fit a packed word: fp64 rows past a tile always take two passes
-        two_pass = dtype == torch.float64 or segments * fused.RESIDENCY_MARGIN > resident
+        two_pass = dtype == torch.float64 or segments * residency.RESIDENCY_MARGIN > resident
         assert len(names) == 1 and ("two_pass" in names.pop()) == two_pass, (phase, names, segments)
 
 
@@ -116,8 +116,8 @@ def test_two_pass_special_values_and_strides(small_gpu):
 def test_two_pass_chunks_cover_the_row():
     for element_size in (2, 4, 8):
         for n_cols in (1, 4095, 4096, 4097, 2**22 + 3, 2**24, 2**27, 2**31 + 5):
-            block_n, chunks, chunk_blocks = fused.two_pass_chunks(n_cols, element_size)
-            assert chunks <= fused.MAX_CHUNKS
+            block_n, chunks, chunk_blocks = two_pass.two_pass_chunks(n_cols, element_size)
+            assert chunks <= two_pass.MAX_CHUNKS
             assert chunks * chunk_blocks * block_n >= n_cols > (chunks - 1) * chunk_blocks * block_n
 
 
@@ -172,7 +172,7 @@ import helpers
 
 for case in sys.argv[1:]:
     dtype, rows, n_cols = getattr(torch, case.split("x")[0]), *map(int, case.split("x")[1:])
-    plans = [helpers.fused.plan_for(n_cols, phase, dtype.itemsize) for phase in ("forward", "backward")]
+    plans = [helpers.plans.plan_for(n_cols, phase, dtype.itemsize) for phase in ("forward", "backward")]
     assert any(32 < triton.next_power_of_2(plan.segments) < 32 * plan.num_warps for plan in plans), (case, plans)
     x = torch.randn(rows, n_cols, device="cuda", dtype=dtype)
     dy = torch.randn_like(x)
@@ -199,12 +199,12 @@ def test_every_call_of_a_split_with_copies_of_its_slots():
 def test_no_split_is_compiled_for_rows_no_gpu_could_hold(monkeypatch, looped):
     """Rows cut into more pieces than the GPU has threads for go to the two-pass kernels without compiling the split
     first: a row of 2**27 fp32 elements would be a split of 65537 pieces, compiled only to be refused."""
-    monkeypatch.setattr(fused, "most_resident", lambda num_warps, device: 8)  # a GPU of 8 programs at most
+    monkeypatch.setattr(residency, "most_resident", lambda num_warps, device: 8)  # a GPU of 8 programs at most
 
     def compile_nothing(*args):
         raise AssertionError(f"compiled a split that cannot fit: {args[2]}")
 
-    monkeypatch.setattr(fused, "compiled_resources", compile_nothing)
+    monkeypatch.setattr(residency, "compiled_resources", compile_nothing)
     check(randn(3, 200))
 
 
@@ -214,7 +214,7 @@ def test_no_split_is_compiled_for_rows_no_gpu_could_hold(monkeypatch, looped):
 GPU_REPEATED_CALLS = r"""
 import torch
 import helpers
-from helpers import fused
+from helpers import recipes
 
 
 def check(x, dy):
@@ -245,7 +245,7 @@ for dtype in (torch.float32, torch.bfloat16):
             torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=1e-2)
             check(x, torch.randn(shape, device="cuda").to(dtype))  # plain calls between replays
         print(dtype, shape, "ok", flush=True)
-splits = [r for r in fused._recipes.values() if "split" in r.steps[0].kernel.fn.__name__]
+splits = [r for r in recipes._recipes.values() if "split" in r.steps[0].kernel.fn.__name__]
 assert splits and all(len(r.kept) == 2 for r in splits), [len(r.kept) for r in splits]  # two streams each
 print("kept", len(splits), flush=True)
 """
@@ -261,7 +261,7 @@ def test_repeated_calls_reuse_the_exchange_buffer():
 def test_repeated_splits_match_torch(monkeypatch, phase):
     """Calls of one split layout one after another: each merges its own partials, never a previous call's (on CPU,
     two launches per call, the second reading the first's)."""
-    monkeypatch.setattr(fused, "_recipes", {})
+    monkeypatch.setattr(recipes, "_recipes", {})
     shape = (3, 40000) if helpers.INTERPRET else (8, 131072)
     for _ in range(3):
         x = randn(*shape, dtype=torch.bfloat16)
@@ -272,22 +272,22 @@ def test_repeated_splits_match_torch(monkeypatch, phase):
         dy = randn(*shape, dtype=torch.bfloat16, scale=1.0)
         torch.testing.assert_close(helpers.softmax_backward(y, dy).double(), torch_backward(y, dy, -1),
                                    atol=2e-2, rtol=2e-2)
-    names = {step.kernel.fn.__name__ for recipe in fused._recipes.values() for step in recipe.steps}
+    names = {step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps}
     assert any("split" in name for name in names), names
 
 
-@pytest.mark.parametrize("resident, pieces", [(4096, fused.FEW_ROWS_PIECE), (60, fused.SEGMENT_ELEMENTS)],
+@pytest.mark.parametrize("resident, pieces", [(4096, plans.FEW_ROWS_PIECE), (60, plans.SEGMENT_ELEMENTS)],
                          ids=["fits", "does not fit"])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_few_rows_take_small_pieces(monkeypatch, resident, pieces, phase):
     """One bf16 row of 40000 elements has few programs with the default plan: it takes pieces of FEW_ROWS_PIECE, unless
     those do not fit the GPU together (on a GPU holding 60 programs, not 4096), when it keeps the default plan's. The
     fp32 backward always keeps the default plan."""
-    resources = fused.compiled_resources
-    monkeypatch.setattr(fused, "compiled_resources",
+    resources = residency.compiled_resources
+    monkeypatch.setattr(residency, "compiled_resources",
                         lambda *args: dataclasses.replace(resources(*args), resident=resident))
-    monkeypatch.setattr(fused, "most_resident", lambda *args: resident)
-    monkeypatch.setattr(fused, "_recipes", {})
+    monkeypatch.setattr(residency, "most_resident", lambda *args: resident)
+    monkeypatch.setattr(recipes, "_recipes", {})
     x = randn(1, 40000, dtype=torch.bfloat16)
     y = helpers.softmax_forward(x)
     torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
@@ -295,7 +295,7 @@ def test_few_rows_take_small_pieces(monkeypatch, resident, pieces, phase):
         dy = randn(1, 40000, dtype=torch.bfloat16, scale=1.0)
         torch.testing.assert_close(helpers.softmax_backward(y, dy).double(), torch_backward(y, dy, -1),
                                    atol=2e-2, rtol=2e-2)
-    kernel = fused.softmax_split_kernel if phase == "forward" else fused.softmax_backward_split_kernel
-    (step,) = [step for recipe in fused._recipes.values() for step in recipe.steps[:1] if step.kernel is kernel]
+    kernel = split_rows.softmax_split_kernel if phase == "forward" else split_rows.softmax_backward_split_kernel
+    (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1] if step.kernel is kernel]
     assert step.constexprs["BLOCK_N"] == pieces and step.constexprs["SEGMENTS"] == -(-40000 // pieces)
-    assert fused.few_rows_plan(1, 40000, "backward", 4) is None
+    assert plans.few_rows_plan(1, 40000, "backward", 4) is None

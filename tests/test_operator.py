@@ -44,7 +44,7 @@ def test_opcheck_backward(case):
 def test_opcheck_long_rows(looped):
     """The split kernels (rows cut into pieces with a ticket counter) through the op, fake tensors included."""
     x = randn(6, 100)
-    assert helpers.fused.plan_for(100, "forward").segments > 1
+    assert helpers.plans.plan_for(100, "forward").segments > 1
     assert set(torch.library.opcheck(FORWARD, (x, -1)).values()) == {"SUCCESS"}
     y = torch.softmax(x, -1)
     assert set(torch.library.opcheck(BACKWARD, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}

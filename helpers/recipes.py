@@ -1,0 +1,167 @@
+"""Launching. What a call launches (kernels, grids, scratch buffers) depends only on its tensors' layout, so it is
+worked out once per layout into a ``Recipe`` and cached. A repeat call then launches the compiled kernels directly on
+scratch buffers it keeps: no planning, no allocation, and none of the argument binding Triton's JIT redoes on every
+call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from .device import DEVICE, INTERPRET
+from .kernels import launch
+from .plans import Plan
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A call's scratch tensor: ``numel`` elements of ``dtype``, filled with ``fill`` (None: left uninitialised)."""
+
+    numel: int
+    dtype: torch.dtype
+    fill: int | None = None
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        if self.fill is None:
+            return torch.empty(self.numel, dtype=self.dtype, device=device)
+        return torch.full((self.numel,), self.fill, dtype=self.dtype, device=device)
+
+
+@dataclass
+class Step:
+    """One launch of a call: ``kernel`` on ``grid`` programs. Its arguments are the call's tensors (its operands, then
+    its buffers), then the integers ``ints``, then ``constexprs``."""
+
+    kernel: triton.runtime.JITFunction
+    grid: int
+    ints: tuple
+    constexprs: dict
+    num_warps: int
+    direct: object = None  # once prepared: a function of (addresses, stream) that launches (``_direct_launch``)
+
+    def run(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Launch through ``kernels.launch``: traced tensors, or the interpreter."""
+        launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs, num_warps=self.num_warps)
+
+    def prepare(self, tensors: tuple[torch.Tensor, ...]):
+        """Compile for ``tensors`` (or find the kernel in Triton's cache) and make ``direct``."""
+        compiled = self.kernel.warmup(*tensors, *self.ints, **self.constexprs, grid=(self.grid,),
+                                      num_warps=self.num_warps)
+        compiled[(self.grid, 1, 1)]  # loads the module: the kernel's function handle and launcher
+        constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(tensors) + len(self.ints):])
+        self.direct = _direct_launch(compiled, self.grid, (*self.ints, *constants))
+        return self.direct
+
+
+def _direct_launch(compiled, grid: int, scalars: tuple):
+    """A function of (addresses, stream) that launches ``compiled`` on ``grid`` programs, the addresses then
+    ``scalars`` as its arguments: its C launch called as Triton's launcher calls it, without the launcher's Python
+    (0.9-2.3 us a call on the H100's host; Triton's launch hooks are not called). The C launch's arguments differ by
+    Triton version: from 3.7 the kernel's arguments come as a tuple with their signature, in 3.5 and 3.6 spread after
+    the scratch buffers. Other versions, and kernels that need scratch memory, go through the launcher."""
+    launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    c_launch = launcher.launch
+    needs_scratch = launcher.global_scratch_size or getattr(launcher, "profile_scratch_size", 0)
+    if needs_scratch or getattr(launcher, "gsan_enabled", False) or not hasattr(launcher, "profile_scratch_size"):
+        return lambda pointers, stream: launcher(grid, 1, 1, stream, function, metadata, None, None, None, *pointers,
+                                                 *scalars)
+    cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+    if hasattr(launcher, "kernel_signature"):
+        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+        return lambda pointers, stream: c_launch(grid, 1, 1, stream, function, cooperative, pdl, metadata, None, None,
+                                                 None, None, None, annotations, signature, (*pointers, *scalars))
+    return lambda pointers, stream: c_launch(grid, 1, 1, stream, function, cooperative, pdl, None, None, metadata, None,
+                                             None, None, *pointers, *scalars)
+
+
+# Scratch buffers up to this size are kept by their recipe from call to call, one set per CUDA stream: a call then
+# allocates nothing but its output. Larger ones come with calls long enough on the GPU that the host's time is hidden.
+KEPT_BUFFER_BYTES = 1 << 20
+LAUNCH_DIRECTLY = DEVICE.type == "cuda" and not INTERPRET  # compiled kernels on torch's CUDA stream (else: the JIT)
+_current_stream = torch._C._cuda_getCurrentRawStream if LAUNCH_DIRECTLY else None  # torch's, on a device index
+_capturing = torch._C._cuda_isCurrentStreamCapturing if LAUNCH_DIRECTLY else None
+
+
+@dataclass
+class Recipe:
+    """Everything one call launches: its scratch buffers, and its steps in order."""
+
+    buffers: tuple[Buffer, ...]
+    steps: tuple[Step, ...]
+    kept: dict = field(default_factory=dict)  # stream -> this recipe's buffers on it, and their addresses
+
+    def run(self, operands: tuple[torch.Tensor, ...]) -> None:
+        """Launch every step on ``operands`` through ``kernels.launch``, on fresh buffers."""
+        tensors = (*operands, *[buffer.allocate(operands[0].device) for buffer in self.buffers])
+        for step in self.steps:
+            step.run(tensors)
+
+    def launch(self, operands: tuple[torch.Tensor, ...], pointers: tuple | list, device: int) -> None:
+        """Launch every step directly on the current stream of GPU ``device``, handed the operands' addresses.
+
+        A kept exchange buffer is ready for the next call as the kernels leave it (its tags), and calls on one stream
+        run one after another. A call being captured into a CUDA graph takes buffers of its own, whose fill the graph
+        replays: the graph may later run on another stream, beside calls on this one. Without a GPU: ``run``."""
+        if not LAUNCH_DIRECTLY:
+            self.run(operands)
+            return
+        stream = _current_stream(device)
+        buffers = ()
+        if self.buffers:
+            if stream and _capturing():  # stream 0, CUDA's legacy default stream, cannot be captured
+                buffers, buffer_pointers = self._allocate(operands[0].device, None)
+            else:
+                buffers, buffer_pointers = self.kept.get(stream) or self._allocate(operands[0].device, stream)
+            pointers = (*pointers, *buffer_pointers)
+        for step in self.steps:
+            (step.direct or step.prepare((*operands, *buffers)))(pointers, stream)
+
+    def _allocate(self, device: torch.device, stream: int | None) -> tuple:
+        """Fresh buffers and their addresses, kept for ``stream`` if it is not None and they are small."""
+        buffers = tuple(buffer.allocate(device) for buffer in self.buffers)
+        allocated = buffers, tuple(buffer.data_ptr() for buffer in buffers)
+        kept_bytes = sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+        if stream is not None and kept_bytes <= KEPT_BUFFER_BYTES:
+            self.kept[stream] = allocated
+        return allocated
+
+
+_recipes: dict[tuple, Recipe] = {}
+MAX_RECIPES = 4096  # layouts remembered before the cache starts over
+
+
+def recipe_for(build, operands: tuple[torch.Tensor, ...], plan: Plan | int | None = None) -> Recipe:
+    """``build(*operands, plan)``, cached per layout: shape, device, and each tensor's strides, dtype and whether it
+    starts on 16 bytes (the compiled kernels are specialised on it). Traced tensors, whose sizes can be symbolic, are
+    planned afresh: torch.compile traces a call once. (The column kernels pass their dim as ``plan``.)"""
+    if not plain(operands):
+        return build(*operands, plan)
+    key = [build, plan, operands[0].shape, operands[0].get_device()]
+    for t in operands:
+        key += t.stride(), t.dtype, t.data_ptr() % 16 == 0
+    key = tuple(key)
+    recipe = _recipes.get(key)
+    if recipe is None:
+        if len(_recipes) >= MAX_RECIPES:
+            _recipes.clear()
+        recipe = _recipes[key] = build(*operands, plan)
+    return recipe
+
+
+def plain(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether every tensor is a torch.Tensor, not a subclass (a traced FakeTensor, ...)."""
+    for t in tensors:  # a loop: cheaper than all() over a generator
+        if type(t) is not torch.Tensor:
+            return False
+    return True
+
+
+def run(build, operands: tuple[torch.Tensor, ...], plan: Plan | int | None) -> None:
+    """Launch ``build``'s recipe for ``operands`` (``recipe_for``)."""
+    recipe = recipe_for(build, operands, plan)
+    if plain(operands):
+        recipe.launch(operands, [t.data_ptr() for t in operands], operands[0].get_device())
+    else:
+        recipe.run(operands)

@@ -1,0 +1,89 @@
+"""How many programs of a compiled kernel the GPU holds at once, and so how many programs a group that waits for
+its own members may launch (``split_grid``)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .device import INTERPRET
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def resident_programs(compiled, num_warps: int, device: int) -> int:
+    """How many programs of a compiled kernel the whole GPU holds at once, as the CUDA driver's occupancy calculator
+    counts them from its registers, threads and shared memory (with their allocation granularities and the shared
+    memory each program reserves: a count of our own once came out one program per SM too high)."""
+    compiled._init_handles()  # loads the binary, which fills in the function handle
+    per_sm = ctypes.c_int()
+    status = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(per_sm), ctypes.c_void_p(compiled.function), ctypes.c_int(32 * num_warps),
+        ctypes.c_size_t(compiled.metadata.shared))
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
+    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm.value
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a compiled kernel takes: registers per thread, spilled registers, and programs resident on the GPU."""
+
+    registers: int
+    spills: int
+    resident: int
+
+
+CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every kernel's loop runs several times
+# Triton's interpreter counts as a GPU that holds this many programs, so that on CPU long rows take the two-pass
+# kernels as a small GPU would
+CPU_RESIDENT_PROGRAMS = 64
+REGISTER_BUDGET = 128  # per thread: 16 one-warp programs (8 two-warp ones) fit an SM's 65536 registers
+_resources_cache: dict[tuple, Resources] = {}
+
+
+def compiled_resources(kernel, args, constexprs, num_warps: int, device: torch.device) -> Resources:
+    """The registers, spills and residency of ``kernel`` as compiled for these arguments, read off the compiled
+    kernel on the GPU: they change with the Triton version (a piece of 141 registers on one, 128 on another)."""
+    if INTERPRET:
+        return Resources(0, 0, CPU_RESIDENT_PROGRAMS)
+    # Compiled for the dtypes alone (no data pointers: under torch.compile the tensors are FakeTensors), with the
+    # integers' specialisations (== 1, multiple of 16) kept: a unit column stride changes the code the most.
+    signature = [a.dtype if isinstance(a, torch.Tensor) else a if isinstance(a, torch.dtype) else int(a) for a in args]
+    key = (kernel.fn.__name__, num_warps, device.index, *sorted(constexprs.items()),
+           *(a if isinstance(a, torch.dtype) else (a == 1, a % 16 == 0) for a in signature))
+    if key not in _resources_cache:
+        compiled = kernel.warmup(*signature, **constexprs, num_warps=num_warps, grid=(1,))
+        resident = resident_programs(compiled, num_warps, device.index or 0)
+        _resources_cache[key] = Resources(compiled.n_regs, compiled.n_spills, resident)
+    return _resources_cache[key]
+
+
+def most_resident(num_warps: int, device: torch.device) -> int:
+    """The most programs of ``num_warps`` warps the GPU can hold at once, whatever they take of registers and shared
+    memory: its threads per SM (2048 on an H100, 1024 on a T4) over a program's, times its SMs."""
+    if INTERPRET:
+        return CPU_RESIDENT_PROGRAMS
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count * (properties.max_threads_per_multi_processor // (32 * num_warps))
+
+
+# A split waits only for programs that are resident beside it, with room to spare: the kernel a launch runs can be
+# built with more registers than the one counted (another alignment, torch.compile's own build).
+RESIDENCY_MARGIN = 2
+
+
+def split_grid(segments: int, n_rows: int, resident: int) -> int:
+    """Programs to launch for a split of ``segments`` programs per row on a GPU that holds ``resident`` of them at once:
+    whole groups of a row's programs, at most one group per row and no more than the GPU holds. 0 when a group does
+    not fit RESIDENCY_MARGIN times over: those rows take the two-pass kernels. A wait is then always for a program that
+    is running or can start (programs take their place in start order, ``take_ticket``)."""
+    if segments * RESIDENCY_MARGIN > resident:
+        return 0
+    return segments * min(n_rows, resident // segments)
