@@ -27,7 +27,8 @@ def test_backward_kernels(kernel, dtype):
     dy = randn(1, ODD_SHAPE[1], dtype=dtype).expand(ODD_SHAPE)  # zero row stride
     dx = torch.full(y.shape, float("nan"), dtype=dtype, device=y.device)
     kernels.launch_backward(y, dy, dx, kernel)
-    atol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)
+    # fp32: sum(y * dy) is accumulated in fp32 over a row of random dy of scale 3 (1e-6 failed 1 element in 12127)
+    atol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-5)
     torch.testing.assert_close(dx.double(), torch_backward(y, dy, -1), atol=atol, rtol=atol)
 
 
