@@ -51,6 +51,7 @@ lab:  ## open the course in JupyterLab
 
 bench:  ## GPU benchmark sweep: writes results/<gpu>.csv, then redraws the plots in images/
 	$(PY) -m helpers.bench
+	$(PY) -m helpers.steps
 	$(PY) -m helpers.figures
 
 lint:  ## ruff on helpers, tests and notebooks

@@ -7,21 +7,22 @@ Public API:
     DEVICE, INTERPRET        where kernels run (a torch.device) and whether that is Triton's CPU interpreter
     sized(gpu, cpu), ODD_SHAPE   sizes for this device: real on a GPU, small under the interpreter
     softmax(x, dim=-1)       autograd-aware softmax (Triton forward, Jacobian-free Triton backward), registered as
-                             the operator torch.ops.softmax_course.softmax (notebook 07)
+                             the operator torch.ops.softmax_course.softmax (notebook 08)
     softmax_forward(x, dim)  y = softmax(x, dim)
     softmax_backward(y, dy, dim)  dx from the forward output y and the incoming gradient dy
     graph_softmax(x, dim)    notebook 03's softmax, whose backward recomputes the forward and walks its graph
     reference                plain PyTorch forward, backward and explicit Jacobian (the oracles)
     kernels                  the teaching kernels of notebooks 01-05 and their launchers
-    notebook 06's kernels at the memory limit, which softmax_forward/backward use, a module per idea:
+    the kernels at the memory limit (notebooks 06-07), which softmax_forward/backward use, a module per idea:
       tiles                  whole rows per program (short and mid rows)
       split_rows, exchange   a long row split among programs that exchange partials
       two_pass               rows too long for a split's programs to be resident together
-      columns                softmax over another dim of a contiguous tensor, in place
+      columns                softmax over another dim of a contiguous tensor, in place (notebook 07)
       plans, residency       the shape for a row length; how many programs the GPU holds at once
       fused, recipes         which kernels a call takes (launch_rows_forward/backward); launching them, cached
+      steps                  notebook 06's steps, each runnable alone, and the GPU numbers that explain them
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
-    model                    notebook 07's tiny transformer, trained with either softmax
+    model                    notebook 08's tiny transformer, trained with either softmax
 """
 
 from . import device, fused, kernels, reference  # noqa: E402  (after device: triton is imported here)

@@ -255,13 +255,13 @@ REFERENCE_GPU = "NVIDIA H100 80GB HBM3"
 def load_results(path: Path | None = None) -> list[Result]:
     """Recorded results: ``path``; else, on a GPU that has its own sweep in results/ (``make bench``), that one;
     else the reference GPU's."""
-    return _read_rows(path or _recorded(results_path), Result)
+    return read_rows(path or recorded(results_path), Result)
 
 
 def load_latency(path: Path | None = None) -> list[Latency]:
     """Recorded host times and decode latencies (``make bench``'s latency part), found as ``load_results`` finds its
     sweep."""
-    return _read_rows(path or _recorded(latency_path), Latency)
+    return read_rows(path or recorded(latency_path), Latency)
 
 
 def latency_path(gpu: str) -> Path:
@@ -269,7 +269,7 @@ def latency_path(gpu: str) -> Path:
     return path.with_name(path.stem + "-latency.csv")
 
 
-def _recorded(path_for: Callable[[str], Path]) -> Path:
+def recorded(path_for: Callable[[str], Path]) -> Path:
     """This GPU's recorded file when there is one, else the reference GPU's."""
     own = path_for(gpu_name()) if not INTERPRET and DEVICE.type == "cuda" else None
     path = own if own is not None and own.exists() else path_for(REFERENCE_GPU)
@@ -278,7 +278,7 @@ def _recorded(path_for: Callable[[str], Path]) -> Path:
     return path
 
 
-def _read_rows(path: Path, row_type: type) -> list:
+def read_rows(path: Path, row_type: type) -> list:
     types = {field.name: field.type for field in fields(row_type)}
     cast = {"int": int, "float": float, "str": str}
     with path.open() as f:
@@ -516,7 +516,7 @@ def other_dims_path(gpu: str) -> Path:
 
 def load_other_dims(path: Path | None = None) -> list[DimResult]:
     """Recorded other-dim timings (``make bench``), found as ``load_results`` finds its sweep."""
-    return _read_rows(path or _recorded(other_dims_path), DimResult)
+    return read_rows(path or recorded(other_dims_path), DimResult)
 
 
 def sweep_other_dims(progress: bool = True) -> list[DimResult]:

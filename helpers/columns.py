@@ -1,4 +1,4 @@
-"""Softmax over a dim that is not the last, without moving it there (notebook 06).
+"""Softmax over a dim that is not the last, without moving it there (notebook 07).
 
 A contiguous tensor is seen as (outer, R, inner): softmax runs along R, whose elements lie ``inner`` apart in memory.
 Each program owns BLOCK_C neighbouring columns of one outer index and holds their whole length (BLOCK_R, R's next
@@ -6,7 +6,7 @@ power of two) in registers, so it reads its input once and writes its output onc
 transpose copy, and the output comes out contiguous, as torch's does. Neighbouring columns are neighbours in memory,
 so each of a program's R rows is one contiguous run of BLOCK_C elements. A dim too long to hold is split among
 programs that exchange each column's partials, as ``fused``'s split rows do, or, where those programs would not fit
-the GPU together, walked twice (notebook 05's online softmax, down the columns). Notebook 08's column exercise is the
+the GPU together, walked twice (notebook 05's online softmax, down the columns). Notebook 09's column exercise is the
 small version of these kernels.
 """
 

@@ -1,4 +1,4 @@
-"""Checkers for notebook 08's exercises. Each runs a learner's function on several inputs, compares it with PyTorch,
+"""Checkers for notebook 09's exercises. Each runs a learner's function on several inputs, compares it with PyTorch,
 and prints one line: a pass mark, or a fail mark with the input, the place and the size of the first difference.
 Each returns True on a pass, so tests can assert on it; none raises, so a notebook of untouched stubs still runs.
 """

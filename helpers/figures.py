@@ -157,7 +157,7 @@ def peers_figure(results: list[Result], dtypes=("float32", "bfloat16", "float16"
 
 
 def latency_figure(rows: list[Latency], dtype: str = "bfloat16"):
-    """Notebook 06: microseconds per call on the decode grid (few rows over a vocabulary), one panel per phase and row
+    """Notebook 07: microseconds per call on the decode grid (few rows over a vocabulary), one panel per phase and row
     count, each implementation eager, the course's calls replayed from a CUDA graph (dashed), and one torch kernel
     copying the same bytes (dotted: ``bench.copy_reference``)."""
     import matplotlib.pyplot as plt
@@ -195,7 +195,7 @@ def latency_figure(rows: list[Latency], dtype: str = "bfloat16"):
 
 
 def host_figure(rows: list[Latency]):
-    """Notebook 06: the CPU's time to issue one call of a tiny tensor, per implementation, and the course's call in
+    """Notebook 07: the CPU's time to issue one call of a tiny tensor, per implementation, and the course's call in
     parts (its launch alone, its output's allocation), against the target (dotted)."""
     import matplotlib.pyplot as plt
 
@@ -295,7 +295,7 @@ def alignment_figure(rows: list[dict], n: int = 50257):
 
 
 def other_dims_figure(rows: list[DimResult]):
-    """Notebook 06: softmax over a dim that is not the last, fraction of copy bandwidth, forward and backward."""
+    """Notebook 07: softmax over a dim that is not the last, fraction of copy bandwidth, forward and backward."""
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys((r.shape, r.dim, r.dtype) for r in rows))
@@ -340,9 +340,9 @@ def main() -> None:
     figures["06_tuning.png"] = tuning_figure(load_tuning())
     figures["06_alignment.png"] = alignment_figure(load_tuning(ALIGNMENT_TUNING))
     latency = load_latency()
-    figures["06_latency.png"] = latency_figure(latency)
-    figures["06_host.png"] = host_figure(latency)
-    figures["06_other_dims.png"] = other_dims_figure(load_other_dims())
+    figures["07_latency.png"] = latency_figure(latency)
+    figures["07_host.png"] = host_figure(latency)
+    figures["07_other_dims.png"] = other_dims_figure(load_other_dims())
     for name, fig in figures.items():
         fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")

@@ -21,7 +21,7 @@ LOOP_BLOCK_SIZE = 2048
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
-    """``kernel[grid](*args, **options)``, in a form that torch.compile and torch.library can trace (notebook 07).
+    """``kernel[grid](*args, **options)``, in a form that torch.compile and torch.library can trace (notebook 08).
 
     Real tensors launch directly. Traced tensors (FakeTensors that carry only shapes, FunctionalTensors) launch through
     ``torch.library.wrap_triton``, which records the kernel call in the graph. Triton's interpreter cannot be traced: a

@@ -1,4 +1,4 @@
-"""Notebook 07's tiny transformer: a character-level language model whose attention takes its softmax as an argument,
+"""Notebook 08's tiny transformer: a character-level language model whose attention takes its softmax as an argument,
 so the same model, from the same initial weights, trains with ``torch.softmax`` or ``helpers.softmax``.
 """
 

@@ -163,7 +163,7 @@ def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device, and a PyTorch operator
-    (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 07).
+    (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 08).
 
     fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64. Its backward is
     ``softmax_backward`` of the saved output.
@@ -233,7 +233,7 @@ class Softmax(torch.autograd.Function):
         return softmax_backward(y, dy, ctx.dim), None
 
 
-# The operator's autograd is this Function's: the same context and backward, registered once (notebook 07).
+# The operator's autograd is this Function's: the same context and backward, registered once (notebook 08).
 torch.library.register_autograd("softmax_course::softmax", Softmax.backward, setup_context=Softmax.setup_context)
 
 

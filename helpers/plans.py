@@ -60,6 +60,14 @@ def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
     return n_cols % 16 == 0
 
 
+def tile_plan(n_cols: int) -> Plan:
+    """A tile of whole rows of ``n_cols``: rows until the tile holds TILE_ELEMENTS, warps by its size."""
+    block = triton.next_power_of_2(n_cols)
+    rows = max(1, TILE_ELEMENTS // block)
+    warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
+    return Plan(rows, block, 1, warps)
+
+
 def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool = True) -> Plan:
     """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``. ``wide_pieces=False``:
     splits keep pieces of SEGMENT_ELEMENTS (the launch falls back to them where a compiler gives the wide piece more
@@ -68,11 +76,8 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool =
     The shape is compiled into the kernel, so a symbolic row length (torch.compile's dynamic shapes) is made concrete
     here: the compiled graph is then specialised to it."""
     n_cols = int(n_cols)
-    block = triton.next_power_of_2(n_cols)
     if takes_tile(n_cols, phase, element_size):
-        rows = max(1, TILE_ELEMENTS // block)
-        warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
-        return Plan(rows, block, 1, warps)
+        return tile_plan(n_cols)
     # Rows of a length Triton cannot see is a multiple of 16 start off 16-byte boundaries; aligned pieces (a window up
     # to ALIGN - 1 elements wider than the row, ``row_window``) load 16 bytes at a time again. At N = 50257 on the
     # H100 that lifts the 16-bit backward from 0.84 to 0.96 of copy, the 16-bit forward from 0.78 to 0.90, fp32 by

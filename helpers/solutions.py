@@ -1,4 +1,4 @@
-"""Reference solutions to notebook 08's exercises. Kept apart from the notebook, which shows stubs; the tests run the
+"""Reference solutions to notebook 09's exercises. Kept apart from the notebook, which shows stubs; the tests run the
 notebook with these in place of the stubs, so every solution is proven by the same checks a learner sees.
 
 ``SOLUTIONS`` maps an exercise to the functions (in order) that replace its stub cell.

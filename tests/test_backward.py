@@ -7,7 +7,7 @@ from conftest import BACKWARD_TOLERANCE, DTYPES, ODD_SHAPE, randn, torch_backwar
 import helpers
 from helpers import ops
 
-# helpers.softmax (the registered operator, notebook 07) and notebook 04's torch.autograd.Function around the same ops
+# helpers.softmax (the registered operator, notebook 08) and notebook 04's torch.autograd.Function around the same ops
 AUTOGRAD_SOFTMAXES = [
     pytest.param(helpers.softmax, id="operator"),
     pytest.param(lambda x, dim=-1: ops.Softmax.apply(x, dim), id="autograd.Function"),

@@ -1,4 +1,4 @@
-"""Notebook 08: every checker fails on the untouched stub and on a plausible wrong answer, passes on the reference
+"""Notebook 09: every checker fails on the untouched stub and on a plausible wrong answer, passes on the reference
 solution, and the notebook run with the solutions in place of its stubs passes every check."""
 
 import importlib.util
@@ -11,7 +11,7 @@ import torch
 from helpers import exercises, solutions
 from helpers.display import source_of
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "08_exercises.ipynb"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "09_exercises.ipynb"
 CHECKS = {name: getattr(exercises, f"check_{name}") for name in solutions.SOLUTIONS}
 # what the notebook's setup cell provides to the stubs
 PRELUDE = "import torch\nimport triton\nimport triton.language as tl\nfrom helpers import softmax_forward\n\n"

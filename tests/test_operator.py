@@ -1,4 +1,4 @@
-"""helpers.softmax as a PyTorch operator (notebook 07): torch.library.opcheck, torch.compile, and a model that trains.
+"""helpers.softmax as a PyTorch operator (notebook 08): torch.library.opcheck, torch.compile, and a model that trains.
 
 On a GPU the ops are triton_ops that torch.compile traces into; under Triton's interpreter they are opaque custom_ops
 (the interpreter cannot be traced), so there torch.compile calls them whole and the tests say so.

@@ -1,0 +1,87 @@
+"""Notebook 06's steps: each runs alone and matches torch; the recorded sweep of the steps, the GPU's numbers and the
+profiles the notebook reads; and the plan's edges against the tuning runs results/README.md quotes."""
+
+import matplotlib
+import pytest
+import torch
+
+import helpers
+from helpers import bench, figures, plans, steps
+
+matplotlib.use("Agg")
+
+
+@pytest.mark.parametrize("step", steps.STEPS)
+@pytest.mark.parametrize("n", [40, 3000, 20001, 40000])
+def test_each_step_matches_torch(step, n):
+    x = torch.randn(3, n, device=helpers.DEVICE) * 4
+    y = torch.full_like(x, float("nan"))
+    steps.launch_step_forward(step, x, y)
+    torch.testing.assert_close(y, torch.softmax(x, -1))
+    y = torch.softmax(x.double(), -1).float()
+    dy, dx = torch.randn_like(x), torch.full_like(x, float("nan"))
+    steps.launch_step_backward(step, y, dy, dx)
+    torch.testing.assert_close(dx, helpers.reference.softmax_backward(y, dy))
+
+
+def test_each_step_adds_one_idea():
+    assert steps.step_plan("rows", 256, "forward", 4) is None  # notebook 01's kernel
+    assert steps.step_plan("tiles", 256, "forward", 4) == plans.tile_plan(256)
+    assert steps.step_plan("tiles", 40000, "forward", 4) is None  # past a whole-row tile: still looped
+    split, aligned = (steps.step_plan(s, 50257, "forward", 2) for s in ("split", "aligned"))
+    assert split.segments > 1 and split.align == 1 and aligned == plans.plan_for(50257, "forward", 2)
+    assert aligned.align == 8
+
+
+def test_recorded_steps_and_machine():
+    results = steps.load_steps()
+    for step in steps.STEPS:
+        for phase in ("forward", "backward"):
+            for dtype in ("float32", "bfloat16"):
+                assert {r.N for r in bench.select(results, impl=step, phase=phase, dtype=dtype)} == set(steps.STEP_N)
+    machine = steps.load_machine()
+    assert machine["sms"] > 0 and 0 < machine["program_start_ns"] < machine["latency_ns"] < 2000
+    assert steps.start_bound(machine, 1 << 30) == 1.0 > steps.start_bound(machine, 64)
+    assert len(steps.steps_figure(results, "aligned").axes[0].lines) == len(steps.STEPS) + 1  # and the copy
+    assert len(steps.program_bytes_figure(machine).axes[0].lines) == 5
+
+
+def test_recorded_profiles():
+    profiles = steps.load_profiles()
+    assert set(profiles) == set(steps.PROFILES)
+    for profile in profiles.values():
+        assert set(steps.stall_reasons(profile)) == set(steps.STALLS)
+        assert 0 < float(profile["gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"]) <= 100
+    assert len(steps.profile_figure(profiles).axes) == len(profiles)
+
+
+def _tile_and_split(tuning, phase, dtype, n):
+    rows = [r for r in tuning if (r["phase"], r["dtype"], r["N"]) == (phase, dtype, str(n))]
+    return (max(float(r["fraction"]) for r in rows if r["segments"] == "1"),
+            max(float(r["fraction"]) for r in rows if r["segments"] != "1"))
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tile_or_split_follows_the_h100(phase, dtype):
+    """Rows of 16384 to 32768: ``takes_tile`` picks the faster shape of the H100's tuning runs, or one within 0.01."""
+    tuning = (bench.load_tuning(figures.ALIGNMENT_TUNING)
+              + bench.load_tuning(bench.RESULTS_DIR / "nvidia-h100-80gb-hbm3-tuning-tile-or-split.csv"))
+    for n in (16400, 20000, 24576, 30001, 32768):
+        tile, split = _tile_and_split(tuning, phase, dtype, n)
+        assert plans.takes_tile(n, phase, getattr(torch, dtype).itemsize) == (tile > split) or abs(tile - split) < 0.01
+
+
+def test_the_plan_follows_the_h100_not_the_h200():
+    tile, split = _tile_and_split(bench.load_tuning(bench.RESULTS_DIR / "nvidia-h200-tuning.csv"), "forward",
+                                  "bfloat16", 32768)
+    assert split > tile and plans.takes_tile(32768, "forward", 2)
+
+
+def test_16_bit_long_rows_agree_in_the_recorded_sweep():
+    """bf16 and fp16 run the same split kernels: a host pause in the sweep would show as one far below the other."""
+    recorded = bench.load_results(bench.results_path(bench.REFERENCE_GPU))
+    for n in sorted({r.N for r in recorded if r.N > 32768}):
+        pair = [r.gbps / r.copy_gbps for r in recorded
+                if (r.impl, r.phase, r.N) == ("helpers", "forward", n) and r.dtype in ("bfloat16", "float16")]
+        assert len(pair) == 2 and abs(pair[0] - pair[1]) < 0.02, (n, pair)
