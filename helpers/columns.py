@@ -19,15 +19,14 @@ import triton
 import triton.language as tl
 
 from . import exchange, recipes, residency
-from .exchange import FINISH, FUSED, pack, read_slots, take_ticket, unpack
+from .column_split import softmax_backward_column_split_kernel, softmax_column_split_kernel
 from .kernels import upcast
-from .tiles import KEEP_IN_L2, LOG2E, upcast_again
+from .tiles import LOG2E
 
-# Each row of a program's block is a run of WIDE_RUN_BYTES (64 fp32 or 128 16-bit columns), or NARROW_RUN_BYTES from
-# LONG_COLUMN rows on, never under MIN_COLUMNS columns; a warp per WARP_BYTES that the block holds (both inputs of the
-# backward), 2 to 16. Measured on the H100 against every block of 16-256 columns and 2-16 warps, in
-# results/nvidia-h100-80gb-hbm3-columns.csv. A program holds dims up to MAX_HELD elements (forward) or
-# MAX_HELD_BACKWARD (y and dy); longer ones are split (below).
+# Each row of a program's block is a run of WIDE_RUN_BYTES, or NARROW_RUN_BYTES from LONG_COLUMN rows on, never under
+# MIN_COLUMNS columns; a warp per WARP_BYTES the block holds (both inputs of the backward), 2 to 16. A program holds
+# dims up to MAX_HELD elements (forward) or MAX_HELD_BACKWARD (y and dy). The measurements behind these numbers and
+# the pieces below: results/README.md.
 WIDE_RUN_BYTES = 256
 NARROW_RUN_BYTES = 64
 LONG_COLUMN = 512
@@ -36,12 +35,9 @@ MAX_HELD = 1024
 MAX_HELD_BACKWARD = 512
 WARP_BYTES = 8192
 # A longer dim is split: the programs of a column block hold a piece of its rows each and exchange each column's
-# partials, as fused's split rows do, so the data is read once. Pieces of (rows, bytes of columns, warps), the best
-# of those measured on the H100 (results/nvidia-h100-80gb-hbm3-column-split.md). Forward: 0.67 of copy at dim 0 of
-# (32768, 4096) fp32 against 0.55 walked. Backward: short pieces of wide runs while a dim has at most
-# MAX_BACKWARD_PIECES of them (dims of 768-8192 over 4096 columns: 0.74-0.93 against 0.69-0.83 with the long dims'
-# piece); a longer dim's merge of SEGMENTS x BLOCK_C partials would outgrow the registers, and it takes
-# LONG_BACKWARD_PIECE (0.69 at (32768, 4096) against 0.57 walked and 0.57 with the short piece).
+# partials, so the data is read once. Pieces of (rows, bytes of columns, warps); the backward's short pieces only while
+# a dim has at most MAX_BACKWARD_PIECES of them (a longer dim's merge of SEGMENTS x BLOCK_C partials would outgrow the
+# registers).
 FORWARD_PIECE = (2048, 32, 16)
 BACKWARD_PIECE = (128, 128, 4)
 MAX_BACKWARD_PIECES = 64
@@ -94,13 +90,14 @@ def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -
 def takes_columns(dim: int, *tensors: torch.Tensor) -> bool:
     """Whether softmax over ``dim`` of these contiguous fp16/bf16/fp32 tensors runs down their columns, here: a dim
     that is not the last and has neighbours (inner > 1: otherwise it is a contiguous row), held whole, or walked by
-    at least LOOPED_MIN_PROGRAMS programs."""
+    at least LOOPED_MIN_PROGRAMS programs; and only where one outer index spans under 2**31 elements."""
     t = tensors[0]
     if not (0 <= dim < t.ndim - 1 and all(u.is_contiguous() and u.dtype != torch.float64 for u in tensors)):
         return False
     n_outer, n_reduced, n_inner = _sizes(t, dim)
-    return n_inner > 1 and (n_reduced <= MAX_HELD
-                            or n_outer * triton.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS)
+    fits_int32 = n_reduced * n_inner < 2**31  # the kernels' offsets within one outer index are 32-bit
+    return n_inner > 1 and fits_int32 and (n_reduced <= MAX_HELD
+                                           or n_outer * triton.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS)
 
 
 def _sizes(t: torch.Tensor, dim: int) -> tuple[int, int, int]:
@@ -194,116 +191,6 @@ def softmax_backward_column_looped_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_in
         y = upcast(tl.load(y_ptr + offsets, mask=mask, other=0.0))
         dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
         tl.store(dx_ptr + offsets, y * (dy - s[None, :]), mask=mask)
-
-
-@triton.jit
-def column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Where piece ``segment`` of column block ``group`` (its BLOCK_C columns of one outer index) lies: rows
-    segment * BLOCK_R on, BLOCK_R of them, as a 64-bit start and 32-bit offsets from it (fewer registers than 64-bit
-    offsets; the plan keeps BLOCK_R * n_inner under 2**31), and their mask. Nothing of a group past the end (not
-    ``valid``)."""
-    blocks = tl.cdiv(n_inner, BLOCK_C)
-    outer, block = group // blocks, (group % blocks).to(tl.int32)
-    r = tl.arange(0, BLOCK_R)[:, None]
-    c = block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    start = (outer * n_reduced + segment * BLOCK_R) * n_inner
-    return start, r * n_inner + c, (r < tl.where(valid, n_reduced - segment * BLOCK_R, 0)) & (c < n_inner)
-
-
-@triton.jit
-def finish_column_piece(y_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, x, parity,
-                        SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-    """y for one piece of column block ``group``, kept as loaded: merge each column's SEGMENTS (m, d) partials, then
-    y = exp(x - m) / d."""
-    parts = tl.arange(0, SEGMENTS_POW2)[:, None]
-    slots = part_ptr + (group * SEGMENTS + parts) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    m_parts, d_parts = unpack(read_slots(slots, parts < tl.where(valid, SEGMENTS, 0), parity))
-    m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
-    m = tl.max(m_parts, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    d_inverse = 1.0 / tl.sum(d_parts * tl.exp2((m_parts - m[None, :]) * LOG2E), axis=0)
-    start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
-    tl.store(y_ptr + start + offsets, tl.exp2((upcast_again(x) - m[None, :]) * LOG2E) * d_inverse[None, :], mask=mask)
-
-
-@triton.jit
-def softmax_column_split_kernel(y_ptr, x_ptr, part_ptr, n_groups, n_reduced, n_inner, SEGMENTS: tl.constexpr,
-                                SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                                PHASE: tl.constexpr):
-    """Forward for dims too long for one program: SEGMENTS programs share each block of BLOCK_C columns, BLOCK_R rows
-    each, and merge each column's (m, d) through ``part_ptr``, as ``split_rows.softmax_split_kernel`` merges a row's:
-    one packed word per column of a piece, tagged with the call's parity, and a ticket counter after the last group's.
-    Groups of SEGMENTS programs walk the column blocks grid-stride, finishing each one iteration behind."""
-    program, parity = take_ticket(part_ptr + n_groups * SEGMENTS * BLOCK_C, PHASE)
-    segment = program % SEGMENTS
-    first, n_walkers = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
-    columns = tl.arange(0, BLOCK_C)
-    x_prev = tl.zeros((BLOCK_R, BLOCK_C), x_ptr.dtype.element_ty)
-    for group_index in range(first, n_groups + n_walkers, n_walkers):
-        group = tl.cast(group_index, tl.int64)
-        valid = group < n_groups
-        start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
-        x = tl.load(x_ptr + start + offsets, mask=mask, other=float("-inf"), eviction_policy=KEEP_IN_L2)
-        if PHASE != FINISH:
-            m = tl.max(upcast(x), axis=0)
-            m_finite = tl.where(m == float("-inf"), 0.0, m)
-            d = tl.sum(tl.exp2((upcast_again(x) - m_finite[None, :]) * LOG2E), axis=0)
-            tl.store(part_ptr + (group * SEGMENTS + segment) * BLOCK_C + columns, pack(m, d, parity),
-                     mask=columns < tl.where(valid, BLOCK_C, 0))
-        if PHASE == FUSED:
-            finish_column_piece(y_ptr, part_ptr, tl.maximum(group - n_walkers, 0), group >= first + n_walkers,
-                                segment, n_reduced, n_inner, x_prev, parity, SEGMENTS, SEGMENTS_POW2, BLOCK_R,
-                                BLOCK_C)
-            x_prev = x
-        elif PHASE == FINISH:
-            finish_column_piece(y_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, x, parity, SEGMENTS,
-                                SEGMENTS_POW2, BLOCK_R, BLOCK_C)
-
-
-@triton.jit
-def finish_backward_column_piece(dx_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, y, dy, parity,
-                                 SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 BLOCK_C: tl.constexpr):
-    """dx for one piece of column block ``group``: each column's sum(y * dy) from its partials, then y * (dy - sum)."""
-    parts = tl.arange(0, SEGMENTS_POW2)[:, None]
-    slots = part_ptr + (group * SEGMENTS + parts) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    dot_parts, _ = unpack(read_slots(slots, parts < tl.where(valid, SEGMENTS, 0), parity))
-    dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
-    start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
-    tl.store(dx_ptr + start + offsets, upcast_again(y) * (upcast_again(dy) - dot[None, :]), mask=mask)
-
-
-@triton.jit
-def softmax_backward_column_split_kernel(dx_ptr, y_ptr, dy_ptr, part_ptr, n_groups, n_reduced, n_inner,
-                                         SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
-                                         BLOCK_C: tl.constexpr, PHASE: tl.constexpr):
-    """Backward of ``softmax_column_split_kernel``: the programs of a column block exchange each column's part of
-    sum(y * dy)."""
-    program, parity = take_ticket(part_ptr + n_groups * SEGMENTS * BLOCK_C, PHASE)
-    segment = program % SEGMENTS
-    first, n_walkers = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
-    columns = tl.arange(0, BLOCK_C)
-    y_prev = tl.zeros((BLOCK_R, BLOCK_C), y_ptr.dtype.element_ty)
-    dy_prev = tl.zeros((BLOCK_R, BLOCK_C), dy_ptr.dtype.element_ty)
-    for group_index in range(first, n_groups + n_walkers, n_walkers):
-        group = tl.cast(group_index, tl.int64)
-        valid = group < n_groups
-        start, offsets, mask = column_piece(group, segment, n_reduced, n_inner, valid, BLOCK_R, BLOCK_C)
-        y = tl.load(y_ptr + start + offsets, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2)
-        dy = tl.load(dy_ptr + start + offsets, mask=mask, other=0.0, eviction_policy=KEEP_IN_L2)
-        if PHASE != FINISH:
-            dot = tl.sum(upcast(y) * upcast(dy), axis=0)
-            tl.store(part_ptr + (group * SEGMENTS + segment) * BLOCK_C + columns, pack(dot, tl.zeros_like(dot), parity),
-                     mask=columns < tl.where(valid, BLOCK_C, 0))
-        if PHASE == FUSED:
-            finish_backward_column_piece(dx_ptr, part_ptr, tl.maximum(group - n_walkers, 0),
-                                         group >= first + n_walkers, segment, n_reduced, n_inner, y_prev, dy_prev,
-                                         parity, SEGMENTS, SEGMENTS_POW2, BLOCK_R, BLOCK_C)
-            y_prev, dy_prev = y, dy
-        elif PHASE == FINISH:
-            finish_backward_column_piece(dx_ptr, part_ptr, group, valid, segment, n_reduced, n_inner, y, dy, parity,
-                                         SEGMENTS, SEGMENTS_POW2, BLOCK_R, BLOCK_C)
 
 
 def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> recipes.Recipe:

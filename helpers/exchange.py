@@ -51,12 +51,13 @@ def read_partials(part_ptr, row, parts, SEGMENTS: tl.constexpr, valid, parity):
     """The SEGMENTS packed partials of ``row``, waiting until every one carries this call's ``parity``.
 
     Each slot is one 64-bit word, written by one store, so a reader sees either the previous call's partial or the
-    whole of this one's: no counter, no fence. Volatile loads go to L2 each time instead of a stale L1 line.
+    whole of this one's: no counter, no fence. Volatile loads skip the SM's own cache (L1), which could hold an old
+    copy, and read L2 each time.
 
     A program with more threads than slots holds copies of a slot in several threads, each loaded at its own moment,
     and the wait's sum counts one copy of each: it can end while another copy, which the merge may read, is still the
-    previous call's (Triton 3.9, 64 slots and 128 threads: most calls). Once the wait has seen every slot written, a
-    copy still stale loads again; L2 holds the write by then."""
+    previous call's. Once the wait has seen every slot written, a copy still stale loads again; L2 holds the write by
+    then."""
     return read_slots(part_ptr + row * SEGMENTS + parts, parts < tl.where(valid, SEGMENTS, 0), parity)
 
 

@@ -87,3 +87,22 @@ def split_grid(segments: int, n_rows: int, resident: int) -> int:
     if segments * RESIDENCY_MARGIN > resident:
         return 0
     return segments * min(n_rows, resident // segments)
+
+
+def spill_report() -> list[dict]:
+    """Registers and spills of every variant of the fused and column kernels compiled in this process."""
+    from . import column_split, columns, split_rows, tiles, two_pass
+
+    rows = []
+    for kernel in (tiles.softmax_tile_kernel, split_rows.softmax_split_kernel, tiles.softmax_backward_tile_kernel,
+                   split_rows.softmax_backward_split_kernel, two_pass.softmax_two_pass_kernel,
+                   two_pass.softmax_backward_two_pass_kernel, columns.softmax_column_kernel,
+                   columns.softmax_backward_column_kernel, column_split.softmax_column_split_kernel,
+                   column_split.softmax_backward_column_split_kernel, columns.softmax_column_looped_kernel,
+                   columns.softmax_backward_column_looped_kernel):
+        for compiled in kernel.device_caches[torch.cuda.current_device()][0].values():
+            compiled._init_handles()
+            constants = {k[0] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()}
+            rows.append(dict(kernel=kernel.fn.__name__, n_regs=compiled.n_regs, n_spills=compiled.n_spills,
+                             num_warps=compiled.metadata.num_warps, constants=str(constants)))
+    return rows

@@ -94,9 +94,7 @@ def softmax_split_kernel(
     Each piece stays in registers as loaded, and finishing computes exp(x - m) again with the row's m: a second
     exponential per element costs less than keeping e = exp(x - m_piece), fp32 and twice the registers of a 16-bit
     piece, for which fewer programs fit on the GPU (notebook 06). In one launch (PHASE 2) a program publishes row r,
-    then finishes row r - 1 of its group, whose partials have had a whole iteration to arrive. (Finishing row r - 1
-    before publishing row r, to overlap it with row r's loads, measured far slower: each program's partial then waits
-    on its wait for the others, and the slack of one row is lost.)
+    then finishes row r - 1 of its group, whose partials have had a whole iteration to arrive.
     """
     tl.static_assert(x_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
     program, parity = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)

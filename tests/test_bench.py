@@ -5,7 +5,7 @@ import csv
 import matplotlib
 import pytest
 
-from helpers import bench, figures
+from helpers import bench, bench_calls, figures, figures_calls
 
 matplotlib.use("Agg")
 RESULTS = bench.load_results()
@@ -34,31 +34,32 @@ def test_figures_draw_from_recorded_results():
     assert [len(ax.lines) for ax in fig.axes] == [4, 4]  # the copy ceiling and three implementations per dtype
     texts = figures.forward_graph_figure().axes[0].texts  # a box per node; a label and an arrow (annotation) per edge
     assert len(texts) == len(figures.GRAPH_NODES) + 2 * len(figures.GRAPH_EDGES)
-    latency = bench.load_latency()
-    fig = figures.latency_figure(latency)  # a panel per phase and row count: each implementation recorded, and a graph
-    assert len(fig.axes) == 2 * len(bench.DECODE_M) and all(len(ax.lines) >= 3 for ax in fig.axes)
+    latency = bench_calls.load_latency()
+    fig = figures_calls.latency_figure(latency)  # a panel per phase and row count: each impl recorded, and a graph
+    assert len(fig.axes) == 2 * len(bench_calls.DECODE_M) and all(len(ax.lines) >= 3 for ax in fig.axes)
     assert all(any("copying" in line.get_label() for line in ax.lines) for ax in fig.axes)  # the copy, dotted
-    bars = figures.host_figure(latency).axes[0].patches  # a bar per implementation and case
-    assert len(bars) % (2 * 2 * len(bench.HOST_SHAPES)) == 0 and len(bars) >= 2 * 2 * 2 * len(bench.HOST_SHAPES)
+    bars = figures_calls.host_figure(latency).axes[0].patches  # a bar per implementation and case
+    cases = 2 * 2 * len(bench_calls.HOST_SHAPES)  # phases x dtypes x shapes
+    assert len(bars) % cases == 0 and len(bars) >= 2 * cases
 
 
 def test_recorded_latency_covers_the_decode_grid():
-    latency = bench.load_latency()
+    latency = bench_calls.load_latency()
     for phase in ("forward", "backward"):
         for dtype in ("bfloat16", "float32"):
-            for m in bench.DECODE_M:
-                for n in bench.DECODE_N:
+            for m in bench_calls.DECODE_M:
+                for n in bench_calls.DECODE_N:
                     rows = bench.select(latency, phase=phase, dtype=dtype, M=m, N=n)
                     assert {("helpers", "eager"), ("helpers", "graph"), ("helpers", "host"), ("torch", "eager"),
                             ("copy", "eager")} <= {(r.impl, r.measure) for r in rows}, (phase, dtype, m, n)
-            for m, n in bench.HOST_SHAPES:
+            for m, n in bench_calls.HOST_SHAPES:
                 rows = bench.select(latency, phase=phase, dtype=dtype, M=m, N=n, measure="host")
                 assert {"helpers", "torch"} <= {r.impl for r in rows} and all(r.us > 0 for r in rows)
 
 
 def test_recorded_other_dims_cover_their_shapes():
-    rows = bench.load_other_dims()
-    for shape, dim, dtype in bench.OTHER_DIMS:
+    rows = bench_calls.load_other_dims()
+    for shape, dim, dtype in bench_calls.OTHER_DIMS:
         for phase in ("forward", "backward"):
             recorded = bench.select(rows, shape="x".join(map(str, shape)), dim=dim, phase=phase,
                                     dtype=str(dtype).removeprefix("torch."))
@@ -67,3 +68,7 @@ def test_recorded_other_dims_cover_their_shapes():
 
 def test_results_path_names_the_gpu():
     assert bench.results_path("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.csv"
+
+
+def test_recorded_tuning_is_this_gpus_or_the_tuned_gpus():
+    assert {row["gpu"] for row in bench.load_tuning()} == {bench.TUNED_GPU}  # CPU: no GPU of its own

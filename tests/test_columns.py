@@ -53,6 +53,13 @@ def test_other_calls_keep_the_rows_path(make_input, dim):
     torch.testing.assert_close(helpers.softmax_forward(x, dim), torch.softmax(x, dim), **TOLERANCE[x.dtype])
 
 
+def test_offsets_past_32_bits_keep_the_rows_path():
+    """The column kernels' offsets within one outer index are 32-bit: a dim of 1024 over 2**21 + 1 columns (8 GB in
+    fp32, described here on the meta device) takes the rows path, one column fewer the columns."""
+    assert not columns.takes_columns(0, torch.empty(1024, 2**21 + 1, device="meta"))
+    assert columns.takes_columns(0, torch.empty(1024, 2**21 - 1, device="meta"))
+
+
 @pytest.mark.parametrize("n_reduced", [1, 21, 100, 512, 1000, columns.MAX_HELD])
 @pytest.mark.parametrize("n_inner", [1, 3, 4096, 262144])
 @pytest.mark.parametrize("element_size", [2, 4])

@@ -1,0 +1,114 @@
+"""Notebook 07's figures, drawn by code from ``bench_calls``' recorded files: few rows over a vocabulary (latency and
+the host's time per call) and softmax over other dims. ``python -m helpers.figures`` draws them with the rest.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+import matplotlib.ticker
+
+from .bench import select
+from .bench_calls import DECODE_M, HOST_SHAPES, DimResult, Latency, load_latency, load_other_dims
+from .figures import STYLE
+
+HOST_TARGET_US = 12  # the course's target: QuACK's host time per call on the H100 when the target was set
+
+
+def latency_figure(rows: list[Latency], dtype: str = "bfloat16"):
+    """Notebook 07: microseconds per call on the decode grid (few rows over a vocabulary), one panel per phase and row
+    count, each implementation eager, the course's calls replayed from a CUDA graph (dashed), and one torch kernel
+    copying the same bytes (dotted: ``bench_calls.copy_reference``)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(DECODE_M), figsize=(4.5 * len(DECODE_M), 7), squeeze=False, sharey=True)
+    for row, phase in enumerate(("forward", "backward")):
+        for ax, m in zip(axes[row], DECODE_M, strict=True):
+            for impl, measure in [(impl, "eager") for impl in ("helpers", "torch", "compile", "liger", "quack")] + [
+                    ("helpers", "graph")]:
+                points = sorted(select(rows, phase=phase, dtype=dtype, M=m, impl=impl, measure=measure),
+                                key=lambda r: r.N)
+                if points:
+                    label, colour, marker = STYLE[impl]
+                    ax.plot([r.N for r in points], [r.us for r in points], marker=marker, color=colour,
+                            linestyle="--" if measure == "graph" else "-",
+                            label=label + (", CUDA graph" if measure == "graph" else ""))
+            copies = sorted(select(rows, phase=phase, dtype=dtype, M=m, impl="copy", measure="eager"),
+                            key=lambda r: r.N)
+            if copies:
+                ax.plot([r.N for r in copies], [r.us for r in copies], ":", color=STYLE["copy"][1],
+                        label="torch, one kernel copying the same bytes")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{phase}, {m} x N, {dtype}")
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("N (vocabulary)")
+        axes[row][0].set_ylabel("us per call (log scale)")
+    # a log scale: 6 against 7 us stays visible beside torch.compile's 50-300 us
+    axes[0][0].set_yscale("log")
+    axes[0][0].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes[0][0].set_yticks([5, 10, 20, 50, 100, 200])
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"recorded on {rows[0].gpu}, {rows[0].date}: eager is the GPU's time per call (do_bench)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def host_figure(rows: list[Latency]):
+    """Notebook 07: the CPU's time to issue one call of a tiny tensor, per implementation, and the course's call in
+    parts (its launch alone, its output's allocation), against the target (dotted)."""
+    import matplotlib.pyplot as plt
+
+    host = select(rows, measure="host")
+    cases = [(phase, dtype, shape) for phase in ("forward", "backward") for dtype in sorted({r.dtype for r in host})
+             for shape in HOST_SHAPES]
+    impls = [impl for impl in ("helpers", "torch", "quack", "launch", "empty_like") if select(host, impl=impl)]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        label, colour, _ = STYLE[impl]
+        us = [next((r.us for r in select(host, impl=impl, phase=phase, dtype=dtype, M=shape[0], N=shape[1])), 0.0)
+              for phase, dtype, shape in cases]
+        ax.bar([c + i * width for c in range(len(cases))], us, width, color=colour, label=label)
+    ax.axhline(HOST_TARGET_US, color="black", linestyle=":", linewidth=1, label=f"target: {HOST_TARGET_US} us")
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))],
+                  [f"{phase}\n{dtype}\n{m} x {n}" for phase, dtype, (m, n) in cases], fontsize=8)
+    ax.set_ylabel("us of CPU per call")
+    ax.set_title(f"host time to issue one call, GPU kept busy; recorded on {host[0].gpu}, {host[0].date}", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def other_dims_figure(rows: list[DimResult]):
+    """Notebook 07: softmax over a dim that is not the last, fraction of copy bandwidth, forward and backward."""
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r.shape, r.dim, r.dtype) for r in rows))
+    impls = [impl for impl in ("torch", "compile", "helpers") if any(r.impl == impl for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)
+    height = 0.8 / len(impls)
+    for ax, phase in zip(axes, ("forward", "backward"), strict=True):
+        for k, impl in enumerate(impls):
+            fractions = [next(r.gbps / r.copy_gbps for r in rows if (r.shape, r.dim, r.dtype) == case
+                              and r.phase == phase and r.impl == impl) for case in cases]
+            label, colour, _ = STYLE[impl]
+            ax.barh([i + (k - (len(impls) - 1) / 2) * height for i in range(len(cases))], fractions, height,
+                    color=colour, label=label)
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlim(0, 1.1)
+        ax.set_xlabel("fraction of copy bandwidth")
+        ax.set_title(phase)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(cases)), [f"dim {dim} of {shape}\n{dtype}" for shape, dim, dtype in cases])
+    axes[0].invert_yaxis()
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=len(impls))
+    fig.suptitle(f"recorded on {rows[0].gpu}, {rows[0].date}  (dashed: the copy limit)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+def images() -> dict:
+    """Notebook 07's files in images/ and their figures."""
+    latency = load_latency()
+    return {"07_latency.png": latency_figure(latency), "07_host.png": host_figure(latency),
+            "07_other_dims.png": other_dims_figure(load_other_dims())}
