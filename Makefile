@@ -49,9 +49,10 @@ images:  ## regenerate every figure in images/
 lab:  ## open the course in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks
 
-bench:  ## GPU benchmark sweep: writes results/<gpu>.csv, then redraws the plots in images/
+bench:  ## GPU benchmark sweeps: writes results/<gpu>*.csv, then redraws the plots in images/
 	$(PY) -m helpers.bench
 	$(PY) -m helpers.steps
+	$(PY) -m helpers.bench_attention
 	$(PY) -m helpers.figures
 
 lint:  ## ruff on helpers, tests and notebooks

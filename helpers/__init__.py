@@ -17,15 +17,18 @@ Public API:
       tiles                  whole rows per program (short and mid rows)
       split_rows, exchange   a long row split among programs that exchange partials
       two_pass               rows too long for a split's programs to be resident together
-      columns                softmax over another dim of a contiguous tensor, in place (notebook 07)
+      columns, column_split  softmax over another dim of a contiguous tensor, in place (notebook 07)
       plans, residency       the shape for a row length; how many programs the GPU holds at once
       fused, recipes         which kernels a call takes (launch_rows_forward/backward); launching them, cached
       steps                  notebook 06's steps, each runnable alone, and the GPU numbers that explain them
     show_source(obj)         display the real source of a helpers function or kernel in a notebook
     model                    notebook 08's tiny transformer, trained with either softmax
+    attention(q, k, v, causal)  FlashAttention-2 forward and backward in Triton (flash_attention), the operator
+                             softmax_course::attention (attention_ops; notebook 10)
 """
 
 from . import device, fused, kernels, reference  # noqa: E402  (after device: triton is imported here)
+from .attention_ops import attention
 from .device import DEVICE, INTERPRET, ODD_SHAPE, describe, sized
 from .display import show_source
 from .ops import graph_softmax, softmax, softmax_backward, softmax_forward
@@ -34,6 +37,7 @@ __all__ = [
     "DEVICE",
     "INTERPRET",
     "ODD_SHAPE",
+    "attention",
     "describe",
     "device",
     "graph_softmax",

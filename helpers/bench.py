@@ -252,7 +252,7 @@ def recorded(path_for: Callable[[str], Path], fallback: str = REFERENCE_GPU) -> 
 
 def read_rows(path: Path, row_type: type) -> list:
     types = {field.name: field.type for field in fields(row_type)}
-    cast = {"int": int, "float": float, "str": str}
+    cast = {"int": int, "float": float, "str": str, "bool": lambda value: value == "True"}
     with path.open() as f:
         return [row_type(**{k: cast[types[k]](v) for k, v in row.items()}) for row in csv.DictReader(f)]
 

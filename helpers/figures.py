@@ -233,9 +233,10 @@ def main() -> None:
     figures["06_against_peers.png"] = peers_figure(results)
     figures["06_tuning.png"] = tuning_figure(load_tuning())
     figures["06_alignment.png"] = alignment_figure(load_tuning(ALIGNMENT_TUNING))
-    from . import figures_calls
+    from . import bench_attention, figures_calls
 
     figures.update(figures_calls.images())
+    figures["10_attention.png"] = bench_attention.attention_figure(bench_attention.load_attention())
     for name, fig in figures.items():
         fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")

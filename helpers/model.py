@@ -1,5 +1,6 @@
 """Notebook 08's tiny transformer: a character-level language model whose attention takes its softmax as an argument,
-so the same model, from the same initial weights, trains with ``torch.softmax`` or ``helpers.softmax``.
+so the same model, from the same initial weights, trains with ``torch.softmax`` or ``helpers.softmax``; or, in
+notebook 10, a whole causal attention (``helpers.attention`` or ``scaled_dot_product_attention``) instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 SoftmaxFn = Callable[[torch.Tensor, int], torch.Tensor]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # causal attention of q, k, v
 
 # The training text: the course's subject, a few times over, so a small model can learn it in a few hundred steps.
 TEXT = (
@@ -36,9 +38,9 @@ class CausalSelfAttention(nn.Module):
     """Multi-head attention whose probabilities come from ``softmax(scores, -1)``: rows of ``context`` scores, the
     future masked to -inf, so the first token's row has a single finite score."""
 
-    def __init__(self, config: Config, softmax: SoftmaxFn):
+    def __init__(self, config: Config, softmax: SoftmaxFn | None, attention: AttentionFn | None = None):
         super().__init__()
-        self.heads, self.softmax = config.heads, softmax
+        self.heads, self.softmax, self.attention = config.heads, softmax, attention
         self.qkv = nn.Linear(config.width, 3 * config.width)
         self.out = nn.Linear(config.width, config.width)
         future = torch.ones(config.context, config.context, dtype=torch.bool).triu(1)
@@ -47,6 +49,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         batch, tokens, width = h.shape
         q, k, v = self.qkv(h).view(batch, tokens, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        if self.attention is not None:  # the scores never leave the kernel
+            return self.out(self.attention(q, k, v).transpose(1, 2).reshape(batch, tokens, width))
         scores = q @ k.transpose(-2, -1) / math.sqrt(width // self.heads)
         scores = scores.masked_fill(self.future[:tokens, :tokens], float("-inf"))
         p = self.softmax(scores, -1)  # (batch, heads, tokens, tokens): one softmax row per query
@@ -54,10 +58,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config, softmax: SoftmaxFn):
+    def __init__(self, config: Config, softmax: SoftmaxFn | None, attention: AttentionFn | None = None):
         super().__init__()
         self.attention_norm, self.mlp_norm = nn.LayerNorm(config.width), nn.LayerNorm(config.width)
-        self.attention = CausalSelfAttention(config, softmax)
+        self.attention = CausalSelfAttention(config, softmax, attention)
         self.mlp = nn.Sequential(nn.Linear(config.width, 4 * config.width), nn.GELU(),
                                  nn.Linear(4 * config.width, config.width))
 
@@ -67,11 +71,11 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self, config: Config, softmax: SoftmaxFn):
+    def __init__(self, config: Config, softmax: SoftmaxFn | None, attention: AttentionFn | None = None):
         super().__init__()
         self.token = nn.Embedding(len(VOCABULARY), config.width)
         self.position = nn.Embedding(config.context, config.width)
-        self.blocks = nn.Sequential(*(Block(config, softmax) for _ in range(config.layers)))
+        self.blocks = nn.Sequential(*(Block(config, softmax, attention) for _ in range(config.layers)))
         self.norm = nn.LayerNorm(config.width)
         self.head = nn.Linear(config.width, len(VOCABULARY))
 
@@ -89,12 +93,12 @@ def batches(config: Config, steps: int, device: torch.device, seed: int = 0) -> 
     return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
 
 
-def train(config: Config, softmax: SoftmaxFn, steps: int, device: torch.device, compile: bool = False,
-          progress: Callable = iter, seed: int = 0) -> list[float]:
+def train(config: Config, softmax: SoftmaxFn | None, steps: int, device: torch.device, compile: bool = False,
+          progress: Callable = iter, seed: int = 0, attention: AttentionFn | None = None) -> list[float]:
     """Train a fresh TinyTransformer (weights from ``seed``, so every softmax starts from the same model) for ``steps``
-    AdamW steps; the loss of every step."""
+    AdamW steps, its attention from ``softmax`` or, given, from ``attention``; the loss of every step."""
     torch.manual_seed(seed)
-    model = TinyTransformer(config, softmax).to(device)
+    model = TinyTransformer(config, softmax, attention).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     forward = torch.compile(model) if compile else model  # AOTAutograd compiles the backward with it

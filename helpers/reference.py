@@ -45,3 +45,39 @@ def jacobian_backward(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         shapes = f"{tuple(y.shape)} and {tuple(dy.shape)}"
         raise ValueError(f"jacobian_backward takes two 2-D tensors of one shape, got {shapes}")
     return torch.stack([softmax_jacobian(y_row).T @ dy_row for y_row, dy_row in zip(y, dy, strict=True)])
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                        scale: float | None = None) -> torch.Tensor:
+    """softmax(Q K^T * scale) V in plain PyTorch, in the inputs' dtype: the whole (seq_q, seq_k) score matrix."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:  # key j visible to query i when j <= i (top-left aligned)
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, block: int = 16,
+                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel's algorithm as a loop over key blocks: (O, lse), lse the natural log-sum-exp of each row.
+
+    Notebook 05's merge of (m, d) with an output accumulator: when a block raises a row's max from m to m_new, what
+    was summed so far, d and o alike, is rescaled by exp(m - m_new). Computed in fp32 or better."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    m = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=compute, device=q.device)
+    d = torch.zeros_like(m)
+    o = torch.zeros_like(q)
+    rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+    for start in range(0, k.shape[-2], block):
+        s = q @ k[..., start:start + block, :].transpose(-2, -1) * scale
+        if causal:
+            s = s.masked_fill(torch.arange(start, start + s.shape[-1], device=q.device) > rows, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_shift = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: exp(-inf) = 0
+        alpha, p = torch.exp(m - m_shift), torch.exp(s - m_shift)
+        d = d * alpha + p.sum(dim=-1, keepdim=True)
+        o = o * alpha + p @ v[..., start:start + block, :]
+        m = m_new
+    return o / d, (m + torch.log(d)).squeeze(-1)

@@ -5,7 +5,7 @@ import csv
 import matplotlib
 import pytest
 
-from helpers import bench, bench_calls, figures, figures_calls
+from helpers import bench, bench_attention, bench_calls, figures, figures_calls
 
 matplotlib.use("Agg")
 RESULTS = bench.load_results()
@@ -72,3 +72,17 @@ def test_results_path_names_the_gpu():
 
 def test_recorded_tuning_is_this_gpus_or_the_tuned_gpus():
     assert {row["gpu"] for row in bench.load_tuning()} == {bench.TUNED_GPU}  # CPU: no GPU of its own
+
+
+def test_recorded_attention_covers_every_case_and_meets_the_targets():
+    rows = bench_attention.load_attention()
+    for head_dim, causal in bench_attention.CASES:
+        for phase in ("forward", "backward"):
+            recorded = bench.select(rows, head_dim=head_dim, causal=causal, phase=phase)
+            assert {r.impl for r in recorded} == set(bench_attention.IMPLS), (head_dim, causal, phase)
+            (ours,) = [r for r in recorded if r.impl == "helpers"]
+            assert ours.max_error < 0.02 and ours.tflops < ours.matmul_tflops
+    ratios = bench_attention.target_ratios(rows)
+    # every target met, the forward against FlexAttention within 2% (the spread between runs): level
+    assert all(ratio >= (0.98 if target == "forward of flex" else 1.0) for (_, _, target), ratio in ratios.items())
+    assert len(bench_attention.attention_figure(rows).axes) == 2  # forward and backward

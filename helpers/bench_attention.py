@@ -1,0 +1,179 @@
+"""FlashAttention measured (notebook 10): ``helpers.attention`` against SDPA's cuDNN and flash backends, FlexAttention
+(torch.compile's Triton kernels) and the naive PyTorch version, in TFLOP/s forward and backward, with the bf16 matmul
+ceiling measured in the same run. ``python -m helpers.bench_attention`` (part of ``make bench``) writes
+results/<gpu>-attention.csv; on a machine with no GPU the notebook reads the recorded file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .bench import gpu_name, read_rows, recorded, results_path, save_results, select, time_ms
+from .device import DEVICE
+
+BATCH, HEADS, SEQ = 4, 16, 4096
+CASES = [(128, False), (128, True), (64, False), (64, True)]  # (head_dim, causal)
+IMPLS = ("helpers", "cudnn", "flash", "flex", "naive")
+# The course's targets: forward at least FlexAttention's and 0.75 of SDPA's best backend, backward 0.8 of Flex's.
+FORWARD_OF_FLEX, FORWARD_OF_BEST_SDPA, BACKWARD_OF_FLEX = 1.0, 0.75, 0.8
+
+
+@dataclass
+class AttentionResult:
+    """One implementation on one case: milliseconds per call, TFLOP/s, the largest difference from cuDNN's output
+    (forward) or gradients (backward), and the matmul ceiling of the same run."""
+
+    gpu: str
+    impl: str
+    head_dim: int
+    causal: bool
+    phase: str
+    ms: float
+    tflops: float
+    max_error: float
+    matmul_tflops: float
+    date: str
+
+
+def attention_flops(head_dim: int, causal: bool, phase: str, batch: int = BATCH, heads: int = HEADS,
+                    seq: int = SEQ) -> float:
+    """Two matmuls of seq x seq x head_dim per head forward (2 flops a multiply-add), half of them under a causal
+    mask; the backward's five (S recomputed, dP, dV, dQ, dK) count 2.5 times the forward's."""
+    forward = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    return forward if phase == "forward" else 2.5 * forward
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """The ceiling: a bf16 n x n x n matmul (cuBLAS on the tensor cores)."""
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    return 2 * n**3 / time_ms(lambda: a @ a) / 1e9
+
+
+def attention_impls(causal: bool) -> dict:
+    """Each implementation as a function of (q, k, v) returning O, differentiable."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from .attention_ops import attention
+    from .reference import attention_reference
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
+
+    flex = torch.compile(flex_attention)
+    mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, SEQ, SEQ) if causal else None
+    return {"helpers": lambda q, k, v: attention(q, k, v, causal=causal),
+            "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flash": sdpa(SDPBackend.FLASH_ATTENTION),
+            "flex": lambda q, k, v: flex(q, k, v, block_mask=mask),
+            "naive": lambda q, k, v: attention_reference(q, k, v, causal)}
+
+
+def sweep_attention(progress: bool = True) -> list[AttentionResult]:
+    """Every implementation on every case of CASES, bf16, checked against cuDNN's output and gradients, forward and
+    backward timed (the backward as a call of autograd on a kept graph)."""
+    from tqdm.auto import tqdm
+
+    gpu, date, ceiling = gpu_name(), datetime.date.today().isoformat(), matmul_tflops()
+    results = []
+    for head_dim, causal in tqdm(CASES, desc="attention", disable=not progress):
+        q, k, v = (torch.randn(BATCH, HEADS, SEQ, head_dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        impls = attention_impls(causal)
+        expected = impls["cudnn"](q, k, v)
+        expected_grads = torch.autograd.grad(expected, (q, k, v), do)
+        for name, fn in impls.items():
+            o = fn(q, k, v)
+            grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            errors = {"forward": (o - expected).abs().max().item(),
+                      "backward": max((g - e).abs().max().item()
+                                      for g, e in zip(grads, expected_grads, strict=True))}
+            timed = {"forward": functools.partial(fn, q, k, v),
+                     "backward": functools.partial(torch.autograd.grad, o, (q, k, v), do, retain_graph=True)}
+            for phase, call in timed.items():
+                ms = time_ms(call)
+                results.append(AttentionResult(gpu, name, head_dim, causal, phase, ms,
+                                               attention_flops(head_dim, causal, phase) / ms / 1e9, errors[phase],
+                                               ceiling, date))
+    return results
+
+
+def attention_path(gpu: str) -> Path:
+    path = results_path(gpu)
+    return path.with_name(path.stem + "-attention.csv")
+
+
+def load_attention(path: Path | None = None) -> list[AttentionResult]:
+    """Recorded attention timings: this GPU's when it has them, else the reference GPU's."""
+    return read_rows(path or recorded(attention_path), AttentionResult)
+
+
+def target_ratios(rows: list[AttentionResult]) -> dict[tuple[int, bool, str], float]:
+    """For each case, the course's ratio against each target (1 or more: met): forward against Flex, forward against
+    SDPA's best backend over 0.75, backward against Flex over 0.8."""
+    def tflops(impl, head_dim, causal, phase):
+        (row,) = select(rows, impl=impl, head_dim=head_dim, causal=causal, phase=phase)
+        return row.tflops
+
+    ratios = {}
+    for head_dim, causal in CASES:
+        ours = {phase: tflops("helpers", head_dim, causal, phase) for phase in ("forward", "backward")}
+        best_sdpa = max(tflops(impl, head_dim, causal, "forward") for impl in ("cudnn", "flash"))
+        ratios[head_dim, causal, "forward of flex"] = ours["forward"] / tflops("flex", head_dim, causal, "forward") \
+            / FORWARD_OF_FLEX
+        ratios[head_dim, causal, "forward of best SDPA"] = ours["forward"] / best_sdpa / FORWARD_OF_BEST_SDPA
+        ratios[head_dim, causal, "backward of flex"] = ours["backward"] / tflops("flex", head_dim, causal,
+                                                                                 "backward") / BACKWARD_OF_FLEX
+    return ratios
+
+
+def attention_figure(rows: list[AttentionResult]):
+    """TFLOP/s of each implementation on each case, forward and backward, with the matmul ceiling dashed."""
+    import matplotlib.pyplot as plt
+
+    colours = {"helpers": ("this course (helpers.attention)", "tab:green"), "cudnn": ("SDPA, cuDNN", "tab:blue"),
+               "flash": ("SDPA, flash", "tab:cyan"), "flex": ("FlexAttention (torch.compile)", "tab:purple"),
+               "naive": ("naive PyTorch", "tab:red")}
+    impls = [impl for impl in IMPLS if select(rows, impl=impl)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    width = 0.8 / len(impls)
+    for ax, phase in zip(axes, ("forward", "backward"), strict=True):
+        for i, impl in enumerate(impls):
+            values = [next((r.tflops for r in select(rows, impl=impl, head_dim=d, causal=c, phase=phase)), 0.0)
+                      for d, c in CASES]
+            label, colour = colours[impl]
+            ax.bar([j + (i - (len(impls) - 1) / 2) * width for j in range(len(CASES))], values, width,
+                   color=colour, label=label)
+        ax.axhline(rows[0].matmul_tflops, color="black", linestyle="--", linewidth=1,
+                   label=f"bf16 matmul: {rows[0].matmul_tflops:.0f}")
+        ax.set_xticks(range(len(CASES)), [f"d={d}\n{'causal' if c else 'full'}" for d, c in CASES])
+        ax.set_title(f"{phase}, bf16, {BATCH} x {HEADS} heads x {SEQ}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s")
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=len(impls) + 1)
+    fig.suptitle(f"recorded on {rows[0].gpu}, {rows[0].date}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def main() -> None:
+    results = sweep_attention()
+    print(f"wrote {len(results)} rows to {save_results(results, attention_path(gpu_name()))}")
+    for r in results:
+        print(f"d={r.head_dim:3d} {'causal' if r.causal else 'full  '} {r.phase:8s} {r.impl:8s} {r.tflops:6.0f} TFLOP/s"
+              f"  max error {r.max_error:.3g}")
+    for (head_dim, causal, target), ratio in target_ratios(results).items():
+        print(f"d={head_dim:3d} {'causal' if causal else 'full  '} {target:22s} {ratio:5.2f} of the target")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Attention, softmax(Q K^T * scale) V, without ever storing the scores: FlashAttention-2 in Triton.
+
+Row i of the scores is a softmax row that arrives one key block at a time. The online softmax of notebook 05 keeps
+its running max ``m`` and denominator ``d``; here it also keeps the unnormalised output ``o``, rescaled by
+exp(m_old - m_new) like ``d`` whenever the max rises. The forward saves only O and the row log-sum-exp ``L``, from
+which the backward recomputes each block of P. Shapes are (batch, heads, seq, head_dim), any strides; ``causal`` masks
+key j > query i (top-left aligned, as ``scaled_dot_product_attention(is_causal=True)``).
+
+Backward (per row, with dP = dO V^T): dS = P * (dP - delta), delta = rowsum(dO * O) = rowsum(P * dP);
+dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO. One kernel per key block writes dK, dV; one per query block
+writes dQ: every output has one writer, so no atomics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .device import INTERPRET
+from .kernels import launch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)): the kernels work in base 2 (ex2 is one GPU instruction)
+
+
+class Blocks(NamedTuple):
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+
+# (BLOCK_M, BLOCK_N, warps, stages) by kernel and head_dim (<= 64, 128). 16-bit: the fastest of each kernel's
+# candidates on the H100 (bf16, batch 4, 16 heads, seq 4096, causal and not) that spills no register under Triton 3.6
+# or 3.9 (results/nvidia-h100-80gb-hbm3-attention-tuning.csv). fp32 dots run exactly (no tf32), on FMA units.
+GPU_BLOCKS = {
+    "16-bit": {("forward", 64): Blocks(64, 64, 4, 3), ("forward", 128): Blocks(64, 64, 4, 3),
+               ("dkdv", 64): Blocks(64, 64, 4, 3), ("dkdv", 128): Blocks(32, 64, 4, 3),
+               ("dq", 64): Blocks(64, 64, 4, 3), ("dq", 128): Blocks(128, 64, 8, 3)},
+    "fp32": {("forward", 64): Blocks(64, 32, 8, 2), ("forward", 128): Blocks(64, 32, 16, 2),
+             ("dkdv", 64): Blocks(16, 32, 8, 2), ("dkdv", 128): Blocks(16, 32, 8, 2),
+             ("dq", 64): Blocks(32, 32, 8, 2), ("dq", 128): Blocks(32, 32, 8, 2)},
+}
+INTERPRETER_BLOCKS = Blocks(32, 32, 1, 1)  # the interpreter takes ~15 ms a loop step, at any tile size
+DELTA_BLOCK_M = 32 if INTERPRET else 64  # rows per program of the backward's preprocess (delta)
+
+
+def blocks_for(kernel: str, head_dim: int, dtype: torch.dtype) -> Blocks:
+    """The tiles, warps and pipeline stages of ``kernel`` ("forward", "dkdv", "dq") for this head_dim and dtype."""
+    if INTERPRET:
+        return INTERPRETER_BLOCKS
+    return GPU_BLOCKS["fp32" if dtype == torch.float32 else "16-bit"][kernel, 64 if head_dim <= 64 else 128]
+
+
+@triton.jit
+def _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows, lo, hi, seq_k,
+                    qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """Merge key blocks [lo, hi) into a query tile's running (m, d, o). MASKED: blocks the diagonal crosses and the
+    ragged last one; the others need no mask on the scores."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d, mask=cols[None, :] < seq_k,
+                     other=0.0)  # K^T tile: (HEAD_DIM, BLOCK_N)
+        v = tl.load(v_base + cols[:, None] * v_stride_s + dims[None, :] * v_stride_d, mask=cols[:, None] < seq_k,
+                    other=0.0)
+        s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # scores in base 2
+        if MASKED:
+            keep = cols[None, :] < seq_k  # keys past the end, and (causal) after the query
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= rows[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        # Key 0 is in every row's first block and never masked: m is finite from there on, so no -inf - (-inf).
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m - m_new)  # rescales what was summed under the old max
+        p = tl.math.exp2(s - m_new[:, None])
+        d = d * alpha + tl.sum(p, axis=1)
+        o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision="ieee")
+        m = m_new
+    return o, d, m
+
+
+@triton.jit
+def attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr,  # inputs (batch, heads, seq, head_dim), any strides
+    o_ptr,  # output: q's shape and dtype
+    L_ptr,  # row log-sum-exp in base 2 (log2 sum_j 2^(s_ij)), fp32, contiguous (batch, heads, seq_q)
+    q_stride_b, q_stride_h, q_stride_s, q_stride_d, k_stride_b, k_stride_h, k_stride_s, k_stride_d,
+    v_stride_b, v_stride_h, v_stride_s, v_stride_d, o_stride_b, o_stride_h, o_stride_s, o_stride_d,
+    n_heads, seq_q, seq_k,
+    qk_scale,  # scale * log2(e): softmax(scale * QK^T) = normalised exp2(qk_scale * QK^T)
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """One program per (query tile, batch * head): O and L in one pass over the keys."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64: it would widen every score
+    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)  # 64-bit: large tensors' offsets
+    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    q_base = q_ptr + batch * q_stride_b + head * q_stride_h
+    q = tl.load(q_base + rows[:, None] * q_stride_s + dims[None, :] * q_stride_d, mask=rows[:, None] < seq_q, other=0.0)
+    k_base, v_base = k_ptr + batch * k_stride_b + head * k_stride_h, v_ptr + batch * v_stride_b + head * v_stride_h
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    d = tl.zeros((BLOCK_M,), tl.float32)
+    o = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    whole_end = (seq_k // BLOCK_N) * BLOCK_N  # key blocks before this hold no padding
+    if CAUSAL:  # blocks wholly left of the diagonal go unmasked; those right of the tile's last row are skipped
+        unmasked_end = tl.minimum((start_m // BLOCK_N) * BLOCK_N, whole_end)
+        end = tl.minimum(start_m + BLOCK_M, seq_k)
+    else:
+        unmasked_end, end = whole_end, seq_k
+    o, d, m = _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows,
+                              0, unmasked_end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False)
+    o, d, m = _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows,
+                              unmasked_end, end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True)
+    o_ptrs = o_ptr + batch * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_s + dims[None, :] * o_stride_d
+    tl.store(o_ptrs, (o / d[:, None]).to(o_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
+    tl.store(L_ptr + bh.to(tl.int64) * seq_q + rows, m + tl.math.log2(d), mask=rows < seq_q)
+
+
+@triton.jit
+def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, o_stride_b, o_stride_h, o_stride_s, o_stride_d, do_stride_b,
+                           do_stride_h, do_stride_s, do_stride_d, n_heads, seq_q, HEAD_DIM: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
+    """Backward preprocess: delta = rowsum(dO * O) (= rowsum(P * dP)), fp32, contiguous (batch, heads, seq_q)."""
+    bh = tl.program_id(1)
+    batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    rows, dims = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    o_base, do_base = o_ptr + batch * o_stride_b + head * o_stride_h, do_ptr + batch * do_stride_b + head * do_stride_h
+    o = tl.load(o_base + rows[:, None] * o_stride_s + dims[None, :] * o_stride_d, mask=rows[:, None] < seq_q, other=0.0)
+    do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(delta_ptr + bh.to(tl.int64) * seq_q + rows, delta, mask=rows < seq_q)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s, do_stride_d,
+                 cols, lo, hi, seq_q, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    """Add query blocks [lo, hi) to a key tile's dK and dV. Works on transposed tiles (S^T, P^T: keys down, queries
+    across) so the products need no transpose of P. MASKED: blocks the causal diagonal crosses. Padding queries load
+    as zeros (q = dO = 0), so their terms vanish without a mask."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        qT = tl.load(q_base + rows[None, :] * q_stride_s + dims[:, None] * q_stride_d, mask=rows[None, :] < seq_q,
+                     other=0.0)
+        do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
+                     other=0.0)
+        L = tl.load(L_base + rows, mask=rows < seq_q, other=0.0)
+        delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
+        pT = tl.math.exp2(tl.dot(k, qT, input_precision="ieee") * qk_scale - L[None, :])
+        if MASKED:
+            pT = tl.where(rows[None, :] >= cols[:, None], pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")  # dV += P^T dO
+        dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # (dO V^T)^T
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision="ieee")  # dK += dS^T Q (times scale at the end)
+    return dk, dv
+
+
+@triton.jit
+def attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, L_ptr, delta_ptr,
+    q_stride_b, q_stride_h, q_stride_s, q_stride_d, k_stride_b, k_stride_h, k_stride_s, k_stride_d,
+    v_stride_b, v_stride_h, v_stride_s, v_stride_d, do_stride_b, do_stride_h, do_stride_s, do_stride_d,
+    dk_stride_b, dk_stride_h, dk_stride_s, dk_stride_d,  # dk and dv: one layout
+    n_heads, seq_q, seq_k, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """One program per (key tile, batch * head): dK and dV over the query tiles that see these keys."""
+    scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # fp64 under torch.compile
+    start_n, bh = tl.program_id(0) * BLOCK_N, tl.program_id(1)
+    batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    cols, dims = start_n + tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+    k_base, v_base = k_ptr + batch * k_stride_b + head * k_stride_h, v_ptr + batch * v_stride_b + head * v_stride_h
+    k = tl.load(k_base + cols[:, None] * k_stride_s + dims[None, :] * k_stride_d, mask=cols[:, None] < seq_k, other=0.0)
+    v = tl.load(v_base + cols[:, None] * v_stride_s + dims[None, :] * v_stride_d, mask=cols[:, None] < seq_k, other=0.0)
+    q_base, do_base = q_ptr + batch * q_stride_b + head * q_stride_h, do_ptr + batch * do_stride_b + head * do_stride_h
+    L_base, delta_base = L_ptr + bh.to(tl.int64) * seq_q, delta_ptr + bh.to(tl.int64) * seq_q
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    if CAUSAL:  # query tiles above these keys are skipped; those up to the tile after the diagonal are masked
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        diagonal_end = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
+    else:
+        lo, diagonal_end = 0, 0
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s,
+                          do_stride_d, cols, lo, tl.minimum(diagonal_end, seq_q), seq_q, qk_scale, HEAD_DIM, BLOCK_M,
+                          True)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s,
+                          do_stride_d, cols, diagonal_end, seq_q, seq_q, qk_scale, HEAD_DIM, BLOCK_M, False)
+    out = batch * dk_stride_b + head * dk_stride_h + cols[:, None] * dk_stride_s + dims[None, :] * dk_stride_d
+    tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None] < seq_k)
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None] < seq_k)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, L, delta, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows, lo, hi,
+               seq_k, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Add key blocks [lo, hi) to a query tile's dQ (the forward's walk, P recomputed from L)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d, mask=cols[None, :] < seq_k,
+                     other=0.0)
+        vT = tl.load(v_base + cols[None, :] * v_stride_s + dims[:, None] * v_stride_d, mask=cols[None, :] < seq_k,
+                     other=0.0)
+        p = tl.math.exp2(tl.dot(q, kT, input_precision="ieee") * qk_scale - L[:, None])
+        if MASKED:
+            keep = cols[None, :] < seq_k  # keys past the end, and (causal) after the query
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= rows[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, vT, input_precision="ieee")  # dP = dO V^T
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision="ieee")  # dQ += dS K (times scale at the end)
+    return dq
+
+
+@triton.jit
+def attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, L_ptr, delta_ptr,
+    q_stride_b, q_stride_h, q_stride_s, q_stride_d, k_stride_b, k_stride_h, k_stride_s, k_stride_d,
+    v_stride_b, v_stride_h, v_stride_s, v_stride_d, do_stride_b, do_stride_h, do_stride_s, do_stride_d,
+    dq_stride_b, dq_stride_h, dq_stride_s, dq_stride_d,
+    n_heads, seq_q, seq_k, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """One program per (query tile, batch * head): dQ over the key tiles these queries see, as the forward walks."""
+    scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # fp64 under torch.compile
+    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    q_base, do_base = q_ptr + batch * q_stride_b + head * q_stride_h, do_ptr + batch * do_stride_b + head * do_stride_h
+    q = tl.load(q_base + rows[:, None] * q_stride_s + dims[None, :] * q_stride_d, mask=rows[:, None] < seq_q, other=0.0)
+    do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
+                 other=0.0)
+    L = tl.load(L_ptr + bh.to(tl.int64) * seq_q + rows, mask=rows < seq_q, other=0.0)
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * seq_q + rows, mask=rows < seq_q, other=0.0)
+    k_base, v_base = k_ptr + batch * k_stride_b + head * k_stride_h, v_ptr + batch * v_stride_b + head * v_stride_h
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    whole_end = (seq_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        unmasked_end = tl.minimum((start_m // BLOCK_N) * BLOCK_N, whole_end)
+        end = tl.minimum(start_m + BLOCK_M, seq_k)
+    else:
+        unmasked_end, end = whole_end, seq_k
+    dq = _dq_blocks(dq, q, do, L, delta, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows, 0,
+                    unmasked_end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False)
+    dq = _dq_blocks(dq, q, do, L, delta, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows,
+                    unmasked_end, end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True)
+    dq_ptrs = dq_ptr + batch * dq_stride_b + head * dq_stride_h + rows[:, None] * dq_stride_s \
+        + dims[None, :] * dq_stride_d
+    tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
+
+
+_new_output = torch.empty  # output storage; tests fill it with NaN so that unwritten elements show
+
+
+def _widened(body, tensors: tuple[torch.Tensor, ...], *rest) -> tuple[torch.Tensor, ...]:
+    """``body`` on fp32 copies of bf16 ``tensors``, its 4-D outputs rounded back to bf16 (L stays fp32).
+    Triton's interpreter keeps bf16 as raw 16-bit integers and tl.dot multiplies those, so on CPU the kernels see
+    bf16 inputs as fp32; on a GPU they run in bf16."""
+    outputs = body(*(t.float() for t in tensors), *rest)
+    return tuple(t.to(torch.bfloat16) if t.ndim == 4 else t for t in outputs)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward launch, the body of ``softmax_course::attention``: (O, L), L each row's base-2 log-sum-exp (fp32)."""
+    if INTERPRET and q.dtype == torch.bfloat16:  # see _widened
+        return _widened(attention_forward, (q, k, v), causal, scale)
+    batch, heads, seq_q, head_dim = q.shape
+    o = _new_output(q.shape, dtype=q.dtype, device=q.device)
+    L = _new_output((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+    if o.numel() > 0:
+        b = blocks_for("forward", head_dim, q.dtype)
+        launch(attention_forward_kernel, (triton.cdiv(seq_q, b.block_m), batch * heads), q, k, v, o, L, *q.stride(),
+               *k.stride(), *v.stride(), *o.stride(), heads, seq_q, k.shape[2], scale * LOG2E, HEAD_DIM=head_dim,
+               BLOCK_M=b.block_m, BLOCK_N=b.block_n, CAUSAL=causal, num_warps=b.num_warps, num_stages=b.num_stages)
+    return o, L
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       L: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward launches, the body of ``softmax_course::attention_backward``: (dQ, dK, dV) from the saved O and L
+    (and an fp32 scratch delta)."""
+    if INTERPRET and q.dtype == torch.bfloat16:
+        return _widened(attention_backward, (do, q, k, v, o), L, causal, scale)
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    dq = _new_output(q.shape, dtype=q.dtype, device=q.device)
+    dk = _new_output(k.shape, dtype=k.dtype, device=k.device)
+    dv = _new_output(v.shape, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0:
+        return dq, dk.zero_(), dv.zero_()
+    L = L.contiguous()
+    delta = torch.empty_like(L)
+    launch(attention_delta_kernel, (triton.cdiv(seq_q, DELTA_BLOCK_M), batch * heads), o, do, delta, *o.stride(),
+           *do.stride(), heads, seq_q, HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M)
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    b = blocks_for("dkdv", head_dim, q.dtype)
+    launch(attention_dkdv_kernel, (triton.cdiv(seq_k, b.block_n), batch * heads), q, k, v, do, dk, dv, L, delta,
+           *common, *dk.stride(), heads, seq_q, seq_k, scale, scale * LOG2E, HEAD_DIM=head_dim, BLOCK_M=b.block_m,
+           BLOCK_N=b.block_n, CAUSAL=causal, num_warps=b.num_warps, num_stages=b.num_stages)
+    b = blocks_for("dq", head_dim, q.dtype)
+    launch(attention_dq_kernel, (triton.cdiv(seq_q, b.block_m), batch * heads), q, k, v, do, dq, L, delta,
+           *common, *dq.stride(), heads, seq_q, seq_k, scale, scale * LOG2E, HEAD_DIM=head_dim, BLOCK_M=b.block_m,
+           BLOCK_N=b.block_n, CAUSAL=causal, num_warps=b.num_warps, num_stages=b.num_stages)
+    return dq, dk, dv

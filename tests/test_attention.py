@@ -1,0 +1,372 @@
+"""helpers.attention, FlashAttention-2 in Triton: the oracle, the blocked PyTorch loop, the forward and backward
+kernels, the operator (opcheck, torch.compile) and what it refuses.
+
+Every kernel result is checked against ``attention_reference`` in float64 (and its autograd for the gradients): fp32
+closely, fp16/bf16 by asking for no more error than torch's own ``scaled_dot_product_attention`` makes in that dtype.
+Under Triton's interpreter a loop step takes ~15 ms, so the CPU shapes are small: sequence lengths that are not
+multiples of the 32-row tiles (1, 17, 100, 130, and queries and keys of different lengths), head_dim 16/32/64. On a
+GPU the same file also runs real sizes: head_dim 64/128, sequences of 1000 and 4097, fp16 and bf16.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ON_GPU, traced_by_torch
+
+import helpers
+from helpers import flash_attention
+from helpers.flash_attention import Blocks
+from helpers.reference import attention_blocked, attention_reference
+
+FORWARD = torch.ops.softmax_course.attention.default
+BACKWARD = torch.ops.softmax_course.attention_backward.default
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_attention_outputs(monkeypatch):
+    """O, L, dQ, dK and dV start as NaN: an element a kernel forgets to write cannot pass a comparison."""
+    monkeypatch.setattr(flash_attention, "_new_output",
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+def qkv(batch, heads, seq_q, seq_k, head_dim, seed=0):
+    """float64 q, k, v and a gradient dO, on the kernels' device."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, seq_q, head_dim), *[(batch, heads, seq_k, head_dim)] * 2, (batch, heads, seq_q, head_dim)]
+    return [torch.randn(shape, generator=generator, dtype=torch.float64).to(helpers.DEVICE) for shape in shapes]
+
+
+def tensor(*shape, dtype=torch.float32, device=helpers.DEVICE):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def scores(q, k, causal):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def reference_with_grads(q, k, v, do, causal):
+    """O and (dQ, dK, dV) of attention_reference in float64."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o = attention_reference(*leaves, causal)
+    return o.detach(), torch.autograd.grad(o, leaves, do.double())
+
+
+def sdpa_with_grads(q, k, v, do, causal, dtype):
+    """O and gradients of torch's scaled_dot_product_attention in ``dtype``: the error a good kernel makes there."""
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    o = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    return o.detach(), torch.autograd.grad(o, leaves, do.to(dtype))
+
+
+def assert_near(actual, expected, dtype, sdpa=None, name=""):
+    """fp32: close to the float64 oracle, relative to the tensor's largest value. fp16/bf16: no more than twice
+    SDPA's error (plus one rounding of the largest value), measured against the same oracle."""
+    expected = expected.double()
+    largest = expected.abs().max().item()
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual.double(), expected, atol=1e-5 * max(largest, 1.0), rtol=1e-5,
+                                   msg=lambda message: f"{name}: {message}")
+        return
+    error = (actual.double() - expected).abs().max().item()
+    allowed = 2 * (sdpa.double() - expected).abs().max().item() + torch.finfo(dtype).eps * largest
+    assert error <= allowed, f"{name}: max error {error:.3g}, SDPA's allows {allowed:.3g}"
+
+
+def check(batch, heads, seq_q, seq_k, head_dim, causal, dtype):
+    """The operator against the oracle: O and L, then dQ, dK and dV through its registered autograd."""
+    q, k, v, do = qkv(batch, heads, seq_q, seq_k, head_dim)
+    expected, expected_grads = reference_with_grads(q, k, v, do, causal)
+    sdpa, sdpa_grads = sdpa_with_grads(q, k, v, do, causal, dtype) if dtype in LOW_PRECISION else (None, [None] * 3)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    o, L = FORWARD(*leaves, causal, head_dim ** -0.5)
+    assert o.dtype == dtype and L.dtype == torch.float32 and L.shape == q.shape[:-1]
+    assert_near(o.detach(), expected, dtype, sdpa, "O")
+    # L is in base 2 (L = lse / ln 2), of the scores of the inputs as rounded to dtype
+    lse = torch.logsumexp(scores(*(t.detach().double() for t in leaves[:2]), causal), dim=-1)
+    torch.testing.assert_close(L.detach().double() * math.log(2), lse, atol=1e-4, rtol=0)
+    grads = torch.autograd.grad(o, leaves, do.to(dtype))
+    for name, grad, expected_grad, sdpa_grad in zip(("dQ", "dK", "dV"), grads, expected_grads, sdpa_grads,
+                                                   strict=True):
+        assert grad.dtype == dtype
+        assert_near(grad, expected_grad, dtype, sdpa_grad, name)
+
+
+# (seq_q, seq_k, head_dim): lengths off the 32-row tiles, one query or key, more queries than keys and fewer
+SHAPES = [(1, 1, 16), (17, 17, 16), (100, 100, 32), (130, 130, 64), (130, 37, 16), (37, 130, 32)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seq_q, seq_k, head_dim", SHAPES)
+def test_fp32(seq_q, seq_k, head_dim, causal):
+    check(1, 2, seq_q, seq_k, head_dim, causal, torch.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seq_q, seq_k, head_dim", [(100, 100, 32), (130, 37, 16)])
+def test_low_precision(seq_q, seq_k, head_dim, dtype, causal):
+    check(1, 2, seq_q, seq_k, head_dim, causal, dtype)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the tiles of the interpreter; a GPU runs its own")
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("seq_q, seq_k, causal", [(130, 130, True), (100, 37, True), (37, 100, False)])
+def test_unequal_tiles(monkeypatch, block_m, block_n, seq_q, seq_k, causal):
+    """Query and key tiles of different heights: the diagonal crosses several key tiles (or a key tile several query
+    tiles), so the masked and unmasked ranges of every kernel meet in the middle of a tile."""
+    monkeypatch.setattr(flash_attention, "INTERPRETER_BLOCKS", Blocks(block_m, block_n, 1, 1))
+    check(1, 1, seq_q, seq_k, 16, causal, torch.float32)
+
+
+def test_any_strides():
+    """q in (batch, seq, heads, head_dim) memory, k with every other head_dim element, v a slice of a longer
+    sequence; o.sum() sends back a gradient with zero strides."""
+    q, k, v, _ = qkv(2, 3, 70, 45, 16)
+    q_strided = q.float().transpose(1, 2).contiguous().transpose(1, 2)
+    k_strided = torch.stack([k.float(), torch.zeros_like(k.float())], dim=-1).flatten(-2)[..., ::2]
+    v_strided = torch.cat([v.float(), v[:, :, :7].float()], dim=2)[:, :, :45]
+    assert not any(t.is_contiguous() for t in (q_strided, k_strided, v_strided))
+    leaves = [t.requires_grad_() for t in (q_strided, k_strided, v_strided)]
+    o = helpers.attention(*leaves, causal=True)
+    o.sum().backward()
+    expected, expected_grads = reference_with_grads(q, k, v, torch.ones_like(q), True)
+    assert_near(o.detach(), expected, torch.float32, name="O")
+    for name, leaf, expected_grad in zip(("dQ", "dK", "dV"), leaves, expected_grads, strict=True):
+        assert_near(leaf.grad, expected_grad, torch.float32, name=name)
+
+
+def test_scale():
+    q, k, v, _ = qkv(1, 2, 33, 33, 16)
+    o = helpers.attention(q.float(), k.float(), v.float(), scale=0.3)
+    torch.testing.assert_close(o.double(), attention_reference(q, k, v, scale=0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_empty():
+    q, k, v, _ = qkv(2, 0, 5, 5, 16)
+    assert helpers.attention(q.float(), k.float(), v.float()).shape == (2, 0, 5, 16)
+    q = tensor(1, 1, 0, 16).requires_grad_()
+    o = helpers.attention(q, tensor(1, 1, 3, 16), tensor(1, 1, 3, 16))
+    o.sum().backward()
+    assert o.shape == (1, 1, 0, 16) and q.grad.shape == q.shape
+
+
+# ---- the PyTorch versions ----
+@pytest.mark.parametrize("seq_q, seq_k", [(17, 17), (40, 23), (23, 40)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_reference_is_torchs_attention(seq_q, seq_k, causal):
+    """Causal is top-left aligned, as torch's is_causal: query i sees keys 0..i."""
+    q, k, v, _ = qkv(2, 3, seq_q, seq_k, 16)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(attention_reference(q, k, v, causal), expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("block", [1, 5, 16, 32, 77, 100, 1000])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_blocked_loop_is_the_reference(block, causal):
+    """The online-softmax loop with an output accumulator gives the same O and log-sum-exp at every block size."""
+    q, k, v, _ = qkv(2, 3, 90, 100, 16)
+    o, lse = attention_blocked(q, k, v, causal, block=block)
+    torch.testing.assert_close(o, attention_reference(q, k, v, causal), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(scores(q, k, causal), dim=-1), atol=1e-12, rtol=1e-12)
+
+
+def test_blocked_loop_in_low_precision_computes_in_fp32():
+    q, k, v, _ = qkv(1, 2, 50, 50, 16)
+    o, lse = attention_blocked(q.bfloat16(), k.bfloat16(), v.bfloat16(), True)
+    assert o.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(o.double(), attention_reference(q, k, v, True), atol=5e-2, rtol=0)
+
+
+# ---- the operator ----
+def op_inputs(dtype=torch.float32):
+    q, k, v, do = qkv(1, 2, 37, 20, 16)
+    return [t.to(dtype) for t in (q, k, v, do)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_opcheck_forward(dtype):
+    q, k, v, _ = op_inputs(dtype)
+    args = (q.requires_grad_(), k.requires_grad_(), v.transpose(-2, -1).contiguous().transpose(-2, -1), True, 0.25)
+    results = torch.library.opcheck(FORWARD, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_opcheck_backward():
+    q, k, v, do = op_inputs()
+    o, L = FORWARD(q, k, v, False, 0.25)
+    results = torch.library.opcheck(BACKWARD, (do.expand_as(o), q, k, v, o, L, False, 0.25))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def causal_attention(q, k, v):
+    return helpers.attention(q * 2.0, k, v, causal=True) + 1.0
+
+
+def test_no_graph_break():
+    q, k, v, _ = op_inputs()
+    explanation = torch._dynamo.explain(causal_attention)(q, k, v)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    assert "softmax_course.attention" in explanation.graphs[0].code
+
+
+def compiled_against_eager(backend: str) -> None:
+    torch._dynamo.reset()
+    q, k, v, do = op_inputs()
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    expected = causal_attention(*leaves)
+    expected_grads = torch.autograd.grad(expected, leaves, do)
+    o = torch.compile(causal_attention, backend=backend, fullgraph=True)(*leaves)
+    grads = torch.autograd.grad(o, leaves, do)
+    torch.testing.assert_close(o, expected)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad)
+
+
+@traced_by_torch
+def test_compiled_aot_eager():
+    """fullgraph=True: AOTAutograd traces the forward and the backward operator together, then runs them eagerly
+    (on CPU the operators are opaque custom_ops, as helpers.softmax's: see test_operator.py)."""
+    compiled_against_eager("aot_eager")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor compiles the Triton kernels it traces for a GPU; Triton's "
+                    "interpreter cannot be traced (test_compiled_aot_eager covers the CPU path)")
+@traced_by_torch
+def test_compiled_inductor_traces_the_kernels():
+    from torch._inductor.utils import run_and_get_code
+
+    compiled_against_eager("inductor")
+    torch._dynamo.reset()
+    q, k, v, _ = op_inputs()
+    _, (code, *_) = run_and_get_code(torch.compile(causal_attention, fullgraph=True), q, k, v)
+    assert "attention_forward_kernel" in code  # Inductor launches our kernel itself
+
+
+# ---- what it refuses ----
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool])
+def test_dtype(dtype):
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        helpers.attention(tensor(1, 1, 4, 16, dtype=dtype), tensor(1, 1, 4, 16), tensor(1, 1, 4, 16))
+
+
+def test_mixed_dtypes():
+    with pytest.raises(TypeError, match="must share a dtype"):
+        helpers.attention(tensor(1, 1, 4, 16), tensor(1, 1, 4, 16, dtype=torch.float16), tensor(1, 1, 4, 16))
+
+
+def test_not_a_tensor():
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        helpers.attention(tensor(1, 1, 4, 16), [[1.0]], tensor(1, 1, 4, 16))
+
+
+def test_wrong_device():
+    with pytest.raises(ValueError, match="but the kernels run on"):
+        helpers.attention(tensor(1, 1, 4, 16), tensor(1, 1, 4, 16), tensor(1, 1, 4, 16, device="meta"))
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((4, 16), (4, 16), (4, 16)), "must be 4-D"),
+    (((1, 2, 4, 16), (1, 3, 4, 16), (1, 3, 4, 16)), "share batch, heads and head_dim"),
+    (((1, 2, 4, 16), (1, 2, 4, 32), (1, 2, 4, 32)), "share batch, heads and head_dim"),
+    (((1, 2, 4, 16), (1, 2, 5, 16), (1, 2, 6, 16)), "k and v their seq length"),
+    (((1, 2, 4, 48), (1, 2, 4, 48), (1, 2, 4, 48)), "power of two from 16 to 128"),
+    (((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), "power of two from 16 to 128"),
+    (((1, 2, 4, 256), (1, 2, 4, 256), (1, 2, 4, 256)), "power of two from 16 to 128"),
+    (((1, 2, 4, 16), (1, 2, 0, 16), (1, 2, 0, 16)), "no keys"),
+])
+def test_shapes(shapes, message):
+    with pytest.raises(ValueError, match=message):
+        helpers.attention(*(tensor(*shape) for shape in shapes))
+
+
+# ---- real sizes, on a GPU ----
+@pytest.mark.skipif(not ON_GPU, reason="real sizes need a GPU (the interpreter takes ~15 ms a tile step)")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seq", [1000, 4097])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_sizes(head_dim, seq, dtype, causal):
+    check(2, 4, seq, seq, head_dim, causal, dtype)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes need a GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_uneven_lengths(head_dim):
+    check(1, 4, 1000, 777, head_dim, True, torch.float32)
+    check(1, 4, 333, 4097, head_dim, False, torch.bfloat16)
+
+
+# ---- the kernels compile for Hopper ----
+COMPILE = r"""
+import sys
+import torch
+import triton
+import helpers
+from helpers.flash_attention import DELTA_BLOCK_M, blocks_for
+from helpers.display import cuobjdump
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from helpers import flash_attention as attention
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+for case in sys.argv[1:]:
+    name, dtype, head_dim, causal = case.split(":")
+    kernel, head_dim = getattr(attention, f"attention_{name}_kernel"), int(head_dim)
+    b = blocks_for("forward" if name == "delta" else name, head_dim, DTYPES[dtype])
+    warps, stages = (4, 1) if name == "delta" else (b.num_warps, b.num_stages)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M if name == "delta" else b.block_m, BLOCK_N=b.block_n,
+                      CAUSAL=causal == "causal")
+    signature, attrs = {}, {}
+    for i, param in enumerate(kernel.params):
+        if param.name.endswith("stride_d"):  # contiguous head_dim: Triton specialises a stride of 1
+            constexprs[param.name] = 1
+        if param.name in constexprs:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("_ptr"):  # 16-byte aligned, as torch allocates
+            signature[param.name] = "*fp32" if param.name in ("L_ptr", "delta_ptr") else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif param.name in ("scale", "qk_scale"):
+            signature[param.name] = "fp64"  # as torch.compile passes a Python float
+        else:  # strides, heads and lengths of contiguous (4, 16, 4096, head_dim) tensors: multiples of 16
+            signature[param.name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    usage = cuobjdump(compiled.asm["cubin"], "-res-usage")
+    stack = int(usage.split("STACK:")[1].split()[0])
+    print(case, stack, "wgmma" in compiled.asm["ptx"], flush=True)
+"""
+COMPILE_CASES = (["forward:bf16:128:causal", "dkdv:bf16:128:causal", "dq:bf16:128:causal", "delta:bf16:128:full"],
+                 ["forward:fp16:64:full", "dkdv:fp16:64:full", "dq:fp16:64:full", "forward:fp32:128:causal"])
+
+
+def test_kernels_compile_for_hopper():
+    """Built for an H100 (sm_90) with no GPU present, as test_compile.py does for the softmax kernels: the 16-bit dots
+    become wgmma (tensor cores), and the 16-bit tiles of GPU_BLOCKS compile without spilling registers (stack 0) for
+    the benchmark's shapes, whose strides and lengths Triton specialises as multiples of 16. Two processes, one per
+    core."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(SOFTMAX_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    runs = [subprocess.Popen([sys.executable, "-c", COMPILE, *cases], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for cases in COMPILE_CASES]
+    lines = []
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, stderr[-3000:]
+        lines += stdout.split("\n")[:-1]
+    compiled = {case: (int(stack), wgmma == "True") for case, stack, wgmma in map(str.split, lines)}
+    assert len(compiled) == 8, lines
+    for case, (stack, wgmma) in compiled.items():
+        if ":fp32:" not in case:  # fp32 runs exactly, on FMA units: checked for correctness, not tuned for speed
+            assert stack == 0, f"{case} spills registers: {lines}"
+        assert wgmma == (not case.startswith("delta") and ":fp32:" not in case), case  # fp32: exact, on FMA units
