@@ -165,7 +165,70 @@ def attention_figure(rows: list[AttentionResult]):
     return fig
 
 
+# The tiles tried for each kernel (BLOCK_M, BLOCK_N, warps, stages), by head_dim: GPU_BLOCKS holds the fastest that
+# spills nothing (results/<gpu>-attention-tuning.csv).
+TILE_CANDIDATES = {
+    ("forward", 128): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4),
+                       (64, 64, 4, 3), (128, 32, 4, 4)],
+    ("forward", 64): [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
+                      (128, 64, 4, 4)],
+    ("dkdv", 128): [(32, 64, 8, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
+                    (16, 128, 4, 4), (64, 128, 8, 2), (32, 128, 8, 2)],
+    ("dkdv", 64): [(64, 128, 8, 3), (32, 128, 4, 5), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 4, 3),
+                   (32, 128, 4, 3)],
+    ("dq", 128): [(64, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 8, 3),
+                  (128, 32, 4, 3), (64, 64, 8, 2)],
+    ("dq", 64): [(128, 64, 8, 3), (128, 32, 4, 5), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3)],
+}
+
+
+def tune_tiles(path: Path) -> None:
+    """Time each kernel's TILE_CANDIDATES on every case of CASES (bf16), the other kernels at their GPU_BLOCKS, each
+    checked against the GPU_BLOCKS results; write kernel, head_dim, causal, tiles, ms and TFLOP/s of the whole phase
+    (forward, or backward: dK/dV and dQ), and the spills of the variant just compiled, to ``path``."""
+    from . import flash_attention
+    from .flash_attention import Blocks
+
+    table = flash_attention.GPU_BLOCKS["16-bit"]
+    with path.open("w") as out:
+        out.write("kernel,head_dim,causal,block_m,block_n,num_warps,num_stages,ms,tflops,spills\n")
+        for head_dim, causal in CASES:
+            q, k, v, do = (torch.randn(BATCH, HEADS, SEQ, head_dim, device=DEVICE, dtype=torch.bfloat16)
+                           for _ in range(4))
+            scale = head_dim ** -0.5
+            o, L = flash_attention.attention_forward(q, k, v, causal, scale)
+            grads = flash_attention.attention_backward(do, q, k, v, o, L, causal, scale)
+            for kernel in ("forward", "dkdv", "dq"):
+                phase = "forward" if kernel == "forward" else "backward"
+                current = table[kernel, head_dim]
+                for tiles in TILE_CANDIDATES[kernel, head_dim]:
+                    table[kernel, head_dim] = Blocks(*tiles)
+                    if phase == "forward":
+                        run = functools.partial(flash_attention.attention_forward, q, k, v, causal, scale)
+                        torch.testing.assert_close(run()[0], o, atol=2e-2, rtol=2e-2)
+                    else:
+                        run = functools.partial(flash_attention.attention_backward, do, q, k, v, o, L, causal, scale)
+                        for got, expected in zip(run(), grads, strict=True):
+                            torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+                    ms = time_ms(run)
+                    jit = getattr(flash_attention, f"attention_{kernel}_kernel")
+                    spills = list(jit.device_caches[DEVICE.index or 0][0].values())[-1].n_spills
+                    tflops = attention_flops(head_dim, causal, phase) / ms / 1e9
+                    out.write(f"{kernel},{head_dim},{causal},{','.join(map(str, tiles))},{ms},{tflops},{spills}\n")
+                    print(f"{kernel:8s} d={head_dim:3d} causal={causal!s:5s} {tiles}: {tflops:4.0f} TFLOP/s, "
+                          f"spills {spills}", flush=True)
+                table[kernel, head_dim] = current
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune", action="store_true", help="time the kernels' candidate tiles instead (minutes)")
+    if parser.parse_args().tune:
+        path = attention_path(gpu_name())
+        tune_tiles(path.with_name(path.stem + "-tuning.csv"))
+        return
     results = sweep_attention()
     print(f"wrote {len(results)} rows to {save_results(results, attention_path(gpu_name()))}")
     for r in results:

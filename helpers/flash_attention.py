@@ -36,7 +36,7 @@ class Blocks(NamedTuple):
 
 # (BLOCK_M, BLOCK_N, warps, stages) by kernel and head_dim (<= 64, 128). 16-bit: the fastest of each kernel's
 # candidates on the H100 (bf16, batch 4, 16 heads, seq 4096, causal and not) that spills no register under Triton 3.6
-# or 3.9 (results/nvidia-h100-80gb-hbm3-attention-tuning.csv). fp32 dots run exactly (no tf32), on FMA units.
+# or 3.9 (`python -m helpers.bench_attention --tune`: results/*-attention-tuning.csv). fp32 dots: exact, on FMA units.
 GPU_BLOCKS = {
     "16-bit": {("forward", 64): Blocks(64, 64, 4, 3), ("forward", 128): Blocks(64, 64, 4, 3),
                ("dkdv", 64): Blocks(64, 64, 4, 3), ("dkdv", 128): Blocks(32, 64, 4, 3),
