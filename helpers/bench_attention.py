@@ -6,13 +6,16 @@ results/<gpu>-attention.csv; on a machine with no GPU the notebook reads the rec
 
 from __future__ import annotations
 
+import csv
 import datetime
 import functools
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import bench
 from .bench import gpu_name, read_rows, recorded, results_path, save_results, select, time_ms
 from .device import DEVICE
 
@@ -21,6 +24,7 @@ CASES = [(128, False), (128, True), (64, False), (64, True)]  # (head_dim, causa
 IMPLS = ("helpers", "cudnn", "flash", "flex", "naive")
 # The course's targets: forward at least FlexAttention's and 0.75 of SDPA's best backend, backward 0.8 of Flex's.
 FORWARD_OF_FLEX, FORWARD_OF_BEST_SDPA, BACKWARD_OF_FLEX = 1.0, 0.75, 0.8
+ROUNDS = 3  # timings of each implementation or tile, interleaved; the median is kept
 
 
 @dataclass
@@ -77,9 +81,10 @@ def attention_impls(causal: bool) -> dict:
             "naive": lambda q, k, v: attention_reference(q, k, v, causal)}
 
 
-def sweep_attention(progress: bool = True) -> list[AttentionResult]:
+def sweep_attention(progress: bool = True, rounds: int = ROUNDS) -> list[AttentionResult]:
     """Every implementation on every case of CASES, bf16, checked against cuDNN's output and gradients, forward and
-    backward timed (the backward as a call of autograd on a kept graph)."""
+    backward timed (the backward as a call of autograd on a kept graph): the median of ``rounds`` rounds, each timing
+    every implementation once (a GPU's clock drifts with its heat: no implementation gets only the cool start)."""
     from tqdm.auto import tqdm
 
     gpu, date, ceiling = gpu_name(), datetime.date.today().isoformat(), matmul_tflops()
@@ -91,20 +96,30 @@ def sweep_attention(progress: bool = True) -> list[AttentionResult]:
         impls = attention_impls(causal)
         expected = impls["cudnn"](q, k, v)
         expected_grads = torch.autograd.grad(expected, (q, k, v), do)
+        calls, errors = {}, {}
         for name, fn in impls.items():
             o = fn(q, k, v)
             grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-            errors = {"forward": (o - expected).abs().max().item(),
-                      "backward": max((g - e).abs().max().item()
-                                      for g, e in zip(grads, expected_grads, strict=True))}
-            timed = {"forward": functools.partial(fn, q, k, v),
-                     "backward": functools.partial(torch.autograd.grad, o, (q, k, v), do, retain_graph=True)}
-            for phase, call in timed.items():
-                ms = time_ms(call)
-                results.append(AttentionResult(gpu, name, head_dim, causal, phase, ms,
-                                               attention_flops(head_dim, causal, phase) / ms / 1e9, errors[phase],
-                                               ceiling, date))
+            errors[name, "forward"] = (o - expected).abs().max().item()
+            errors[name, "backward"] = max((g - e).abs().max().item() for g, e in zip(grads, expected_grads,
+                                                                                       strict=True))
+            calls[name, "forward"] = functools.partial(fn, q, k, v)
+            calls[name, "backward"] = functools.partial(torch.autograd.grad, o, (q, k, v), do, retain_graph=True)
+        times = interleaved_ms(calls, rounds)
+        for (name, phase), ms in times.items():
+            results.append(AttentionResult(gpu, name, head_dim, causal, phase, ms,
+                                           attention_flops(head_dim, causal, phase) / ms / 1e9, errors[name, phase],
+                                           ceiling, date))
     return results
+
+
+def interleaved_ms(calls: dict, rounds: int) -> dict:
+    """The median milliseconds of each call over ``rounds`` rounds that each time every call once, in turn."""
+    times = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            times[key].append(time_ms(call))
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def attention_path(gpu: str) -> Path:
@@ -136,13 +151,15 @@ def target_ratios(rows: list[AttentionResult]) -> dict[tuple[int, bool, str], fl
     return ratios
 
 
+LEGEND = {"helpers": ("this course (helpers.attention)", "tab:green"), "cudnn": ("SDPA, cuDNN", "tab:blue"),
+          "flash": ("SDPA, flash", "tab:cyan"), "flex": ("FlexAttention (torch.compile)", "tab:purple"),
+          "naive": ("naive PyTorch", "tab:red")}  # label and colour of each implementation in the figures
+
+
 def attention_figure(rows: list[AttentionResult]):
     """TFLOP/s of each implementation on each case, forward and backward, with the matmul ceiling dashed."""
     import matplotlib.pyplot as plt
 
-    colours = {"helpers": ("this course (helpers.attention)", "tab:green"), "cudnn": ("SDPA, cuDNN", "tab:blue"),
-               "flash": ("SDPA, flash", "tab:cyan"), "flex": ("FlexAttention (torch.compile)", "tab:purple"),
-               "naive": ("naive PyTorch", "tab:red")}
     impls = [impl for impl in IMPLS if select(rows, impl=impl)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     width = 0.8 / len(impls)
@@ -150,7 +167,7 @@ def attention_figure(rows: list[AttentionResult]):
         for i, impl in enumerate(impls):
             values = [next((r.tflops for r in select(rows, impl=impl, head_dim=d, causal=c, phase=phase)), 0.0)
                       for d, c in CASES]
-            label, colour = colours[impl]
+            label, colour = LEGEND[impl]
             ax.bar([j + (i - (len(impls) - 1) / 2) * width for j in range(len(CASES))], values, width,
                    color=colour, label=label)
         ax.axhline(rows[0].matmul_tflops, color="black", linestyle="--", linewidth=1,
@@ -168,10 +185,10 @@ def attention_figure(rows: list[AttentionResult]):
 # The tiles tried for each kernel (BLOCK_M, BLOCK_N, warps, stages), by head_dim: GPU_BLOCKS holds the fastest that
 # spills nothing (results/<gpu>-attention-tuning.csv).
 TILE_CANDIDATES = {
-    ("forward", 128): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4),
-                       (64, 64, 4, 3), (128, 32, 4, 4)],
+    ("forward", 128): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3),
+                       (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3)],
     ("forward", 64): [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
-                      (128, 64, 4, 4)],
+                      (64, 64, 4, 4), (64, 128, 4, 3)],
     ("dkdv", 128): [(32, 64, 8, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
                     (16, 128, 4, 4), (64, 128, 8, 2), (32, 128, 8, 2)],
     ("dkdv", 64): [(64, 128, 8, 3), (32, 128, 4, 5), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 4, 3),
@@ -182,10 +199,11 @@ TILE_CANDIDATES = {
 }
 
 
-def tune_tiles(path: Path) -> None:
+def tune_tiles(path: Path, rounds: int = ROUNDS) -> None:
     """Time each kernel's TILE_CANDIDATES on every case of CASES (bf16), the other kernels at their GPU_BLOCKS, each
-    checked against the GPU_BLOCKS results; write kernel, head_dim, causal, tiles, ms and TFLOP/s of the whole phase
-    (forward, or backward: dK/dV and dQ), and the spills of the variant just compiled, to ``path``."""
+    checked against the GPU_BLOCKS results; write kernel, head_dim, causal, tiles, ms (the median of ``rounds``
+    interleaved rounds) and TFLOP/s of the whole phase (forward, or backward: dK/dV and dQ), and the spills of each
+    candidate's compiled kernel, to ``path``."""
     from . import flash_attention
     from .flash_attention import Blocks
 
@@ -200,9 +218,11 @@ def tune_tiles(path: Path) -> None:
             grads = flash_attention.attention_backward(do, q, k, v, o, L, causal, scale)
             for kernel in ("forward", "dkdv", "dq"):
                 phase = "forward" if kernel == "forward" else "backward"
-                current = table[kernel, head_dim]
+                jit = getattr(flash_attention, f"attention_{kernel}_kernel")
+                current, calls, spills = table[kernel, head_dim], {}, {}
                 for tiles in TILE_CANDIDATES[kernel, head_dim]:
                     table[kernel, head_dim] = Blocks(*tiles)
+                    jit.device_caches.clear()  # so that the check's launch leaves this candidate alone in the cache
                     if phase == "forward":
                         run = functools.partial(flash_attention.attention_forward, q, k, v, causal, scale)
                         torch.testing.assert_close(run()[0], o, atol=2e-2, rtol=2e-2)
@@ -210,14 +230,92 @@ def tune_tiles(path: Path) -> None:
                         run = functools.partial(flash_attention.attention_backward, do, q, k, v, o, L, causal, scale)
                         for got, expected in zip(run(), grads, strict=True):
                             torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
-                    ms = time_ms(run)
-                    jit = getattr(flash_attention, f"attention_{kernel}_kernel")
-                    spills = list(jit.device_caches[DEVICE.index or 0][0].values())[-1].n_spills
+                    (compiled,) = jit.device_caches[DEVICE.index or 0][0].values()
+                    spills[tiles] = compiled.n_spills
+                    calls[tiles] = functools.partial(_with_tiles, table, (kernel, head_dim), Blocks(*tiles), run)
+                for tiles, ms in interleaved_ms(calls, rounds).items():
                     tflops = attention_flops(head_dim, causal, phase) / ms / 1e9
-                    out.write(f"{kernel},{head_dim},{causal},{','.join(map(str, tiles))},{ms},{tflops},{spills}\n")
+                    out.write(f"{kernel},{head_dim},{causal},{','.join(map(str, tiles))},{ms},{tflops},"
+                              f"{spills[tiles]}\n")
                     print(f"{kernel:8s} d={head_dim:3d} causal={causal!s:5s} {tiles}: {tflops:4.0f} TFLOP/s, "
-                          f"spills {spills}", flush=True)
+                          f"spills {spills[tiles]}", flush=True)
                 table[kernel, head_dim] = current
+
+
+def _with_tiles(table: dict, key: tuple, tiles, run):
+    table[key] = tiles
+    return run()
+
+
+def best_tiles(rows: list[dict]) -> dict:
+    """GPU_BLOCKS' rule: for each kernel and head_dim, the candidate with the least time summed over causal and
+    full that spills no register in either."""
+    totals, spilling = {}, set()
+    for r in rows:
+        key = (r["kernel"], int(r["head_dim"]))
+        tiles = tuple(int(r[name]) for name in ("block_m", "block_n", "num_warps", "num_stages"))
+        totals[key, tiles] = totals.get((key, tiles), 0.0) + float(r["ms"])
+        if int(r["spills"]):
+            spilling.add((key, tiles))
+    best = {}
+    for (key, tiles), total in totals.items():
+        if (key, tiles) not in spilling and (key not in best or total < totals[key, best[key]]):
+            best[key] = tiles
+    return best
+
+
+PROFILED = {"helpers": "this course", "flex": "FlexAttention", "cudnn": "cuDNN"}  # results/<gpu>-ncu-attention-*.csv
+PROFILE_STALLS = ("wait", "barrier", "long_scoreboard", "short_scoreboard", "dispatch_stall", "mio_throttle",
+                  "math_pipe_throttle", "not_selected")
+
+
+def profile_forward(impl: str, head_dim: int = 128) -> None:
+    """One forward of ``impl`` (bf16, full, the sweep's shape) inside a CUDA profiler range, after three to compile and
+    warm up: ``ncu --profile-from-start off`` then profiles that call's kernels alone."""
+    q, k, v = (torch.randn(BATCH, HEADS, SEQ, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    fn = attention_impls(causal=False)[impl]
+    for _ in range(3):
+        fn(q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn(q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def load_attention_profiles(gpu: str | None = None) -> dict[str, dict]:
+    """The recorded Nsight Compute profiles of each PROFILED forward (head_dim 128, full): impl -> metric -> value."""
+    from .steps import load_profile
+
+    stem = results_path(gpu or bench.REFERENCE_GPU).stem
+    return {impl: load_profile(bench.RESULTS_DIR / f"{stem}-ncu-attention-{impl}.csv") for impl in PROFILED}
+
+
+def tensor_busy(profile: dict) -> float:
+    """Percent of the run the SMs' tensor cores were busy (Nsight Compute's tensor pipe, all its instruction kinds)."""
+    return float(profile["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"])
+
+
+def profile_figure(profiles: dict[str, dict]):
+    """How busy each profiled forward keeps the tensor cores, and where its warps wait."""
+    import matplotlib.pyplot as plt
+
+    fig, (busy, stalls) = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw={"width_ratios": (1, 2)})
+    busy.barh([PROFILED[impl] for impl in profiles][::-1], [tensor_busy(p) for p in profiles.values()][::-1],
+              color=[LEGEND[impl][1] for impl in profiles][::-1])
+    busy.set(xlim=(0, 100), xlabel="% of the time the tensor cores are busy")
+    width = 0.8 / len(profiles)
+    for i, (impl, profile) in enumerate(profiles.items()):
+        stalls.bar([j + (i - (len(profiles) - 1) / 2) * width for j in range(len(PROFILE_STALLS))],
+                   [float(profile[f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"])
+                    for reason in PROFILE_STALLS], width, label=PROFILED[impl], color=LEGEND[impl][1])
+    stalls.set_xticks(range(len(PROFILE_STALLS)), [r.replace("_", "\n") for r in PROFILE_STALLS], fontsize=7)
+    stalls.set_ylabel("warps stalled\nper issued instruction")
+    stalls.legend(fontsize=8)
+    for ax in (busy, stalls):
+        ax.grid(alpha=0.3, axis="x" if ax is busy else "y")
+    fig.tight_layout()
+    return fig
 
 
 def main() -> None:
@@ -225,9 +323,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="time the kernels' candidate tiles instead (minutes)")
-    if parser.parse_args().tune:
+    parser.add_argument("--profile", choices=PROFILED, help="run one forward for Nsight Compute instead: ncu "
+                        "--profile-from-start off --csv --page raw python -m helpers.bench_attention --profile IMPL")
+    args = parser.parse_args()
+    if args.profile:
+        profile_forward(args.profile)
+        return
+    if args.tune:
         path = attention_path(gpu_name())
-        tune_tiles(path.with_name(path.stem + "-tuning.csv"))
+        path = path.with_name(path.stem + "-tuning.csv")
+        tune_tiles(path)
+        with path.open() as f:
+            print("the fastest that spill nothing (GPU_BLOCKS' rule):", best_tiles(list(csv.DictReader(f))))
         return
     results = sweep_attention()
     print(f"wrote {len(results)} rows to {save_results(results, attention_path(gpu_name()))}")

@@ -34,13 +34,14 @@ class Blocks(NamedTuple):
     num_stages: int
 
 
-# (BLOCK_M, BLOCK_N, warps, stages) by kernel and head_dim (<= 64, 128). 16-bit: the fastest of each kernel's
-# candidates on the H100 (bf16, batch 4, 16 heads, seq 4096, causal and not) that spills no register under Triton 3.6
-# or 3.9 (`python -m helpers.bench_attention --tune`: results/*-attention-tuning.csv). fp32 dots: exact, on FMA units.
+# (BLOCK_M, BLOCK_N, warps, stages) by kernel and head_dim (<= 64, 128). 16-bit: bench_attention.best_tiles of the
+# H100's tuning run (`python -m helpers.bench_attention --tune`: results/*-attention-tuning.csv, bf16, batch 4,
+# 16 heads, seq 4096): the least time over causal and full among the candidates that spill no register. fp32 dots:
+# exact, on FMA units.
 GPU_BLOCKS = {
-    "16-bit": {("forward", 64): Blocks(64, 64, 4, 3), ("forward", 128): Blocks(64, 64, 4, 3),
+    "16-bit": {("forward", 64): Blocks(128, 64, 8, 3), ("forward", 128): Blocks(64, 64, 4, 3),
                ("dkdv", 64): Blocks(64, 64, 4, 3), ("dkdv", 128): Blocks(32, 64, 4, 3),
-               ("dq", 64): Blocks(64, 64, 4, 3), ("dq", 128): Blocks(128, 64, 8, 3)},
+               ("dq", 64): Blocks(128, 64, 8, 3), ("dq", 128): Blocks(128, 64, 8, 3)},
     "fp32": {("forward", 64): Blocks(64, 32, 8, 2), ("forward", 128): Blocks(64, 32, 16, 2),
              ("dkdv", 64): Blocks(16, 32, 8, 2), ("dkdv", 128): Blocks(16, 32, 8, 2),
              ("dq", 64): Blocks(32, 32, 8, 2), ("dq", 128): Blocks(32, 32, 8, 2)},
@@ -65,20 +66,23 @@ def _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d, mask=cols[None, :] < seq_k,
-                     other=0.0)  # K^T tile: (HEAD_DIM, BLOCK_N)
-        v = tl.load(v_base + cols[:, None] * v_stride_s + dims[None, :] * v_stride_d, mask=cols[:, None] < seq_k,
-                    other=0.0)
-        s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # scores in base 2
+        kT_ptrs = k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d  # K^T tile: (HEAD_DIM, BLOCK_N)
+        v_ptrs = v_base + cols[:, None] * v_stride_s + dims[None, :] * v_stride_d
+        if MASKED:  # only a ragged last block reads past the end
+            kT = tl.load(kT_ptrs, mask=cols[None, :] < seq_k, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < seq_k, other=0.0)
+        else:
+            kT, v = tl.load(kT_ptrs), tl.load(v_ptrs)
+        qk = tl.dot(q, kT, input_precision="ieee")  # the scores are qk * qk_scale, in base 2
         if MASKED:
             keep = cols[None, :] < seq_k  # keys past the end, and (causal) after the query
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
-            s = tl.where(keep, s, float("-inf"))
+            qk = tl.where(keep, qk, float("-inf"))
         # Key 0 is in every row's first block and never masked: m is finite from there on, so no -inf - (-inf).
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m, tl.max(qk, axis=1) * qk_scale)  # qk_scale > 0: the max of the scaled scores
         alpha = tl.math.exp2(m - m_new)  # rescales what was summed under the old max
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one multiply-add a score before the exp
         d = d * alpha + tl.sum(p, axis=1)
         o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision="ieee")
         m = m_new
@@ -207,10 +211,13 @@ def _dq_blocks(dq, q, do, L, delta, k_base, v_base, k_stride_s, k_stride_d, v_st
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d, mask=cols[None, :] < seq_k,
-                     other=0.0)
-        vT = tl.load(v_base + cols[None, :] * v_stride_s + dims[:, None] * v_stride_d, mask=cols[None, :] < seq_k,
-                     other=0.0)
+        kT_ptrs = k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d
+        vT_ptrs = v_base + cols[None, :] * v_stride_s + dims[:, None] * v_stride_d
+        if MASKED:  # only a ragged last block reads past the end
+            kT = tl.load(kT_ptrs, mask=cols[None, :] < seq_k, other=0.0)
+            vT = tl.load(vT_ptrs, mask=cols[None, :] < seq_k, other=0.0)
+        else:
+            kT, vT = tl.load(kT_ptrs), tl.load(vT_ptrs)
         p = tl.math.exp2(tl.dot(q, kT, input_precision="ieee") * qk_scale - L[:, None])
         if MASKED:
             keep = cols[None, :] < seq_k  # keys past the end, and (causal) after the query
