@@ -192,12 +192,20 @@ def op_inputs(dtype=torch.float32):
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
+# torch logs this when it cannot compile a kernel to Triton's IR to see which arguments it writes (torch 2.11 with
+# Triton 3.9: a Triton newer than the one the torch was built with), and then assumes it writes every one
+UNREADABLE_KERNEL = "Encountered an exception in identify_mutated_tensors"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_opcheck_forward(dtype):
+def test_opcheck_forward(dtype, caplog):
     q, k, v, _ = op_inputs(dtype)
     args = (q.requires_grad_(), k.requires_grad_(), v.transpose(-2, -1).contiguous().transpose(-2, -1), True, 0.25)
-    results = torch.library.opcheck(FORWARD, args)
-    assert set(results.values()) == {"SUCCESS"}, results
+    results = torch.library.opcheck(FORWARD, args, raise_exception=False)
+    failed = {test for test, result in results.items() if result != "SUCCESS"}
+    if failed == {"test_aot_dispatch_dynamic"} and UNREADABLE_KERNEL in caplog.text:
+        pytest.xfail("this torch cannot read this Triton's kernels, so its AOT trace takes q, k and v as written")
+    assert not failed, results
 
 
 def test_opcheck_backward():
