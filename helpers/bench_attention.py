@@ -182,8 +182,8 @@ def attention_figure(rows: list[AttentionResult]):
     return fig
 
 
-# The tiles tried for each kernel (BLOCK_M, BLOCK_N, warps, stages), by head_dim: GPU_BLOCKS holds the fastest that
-# spills nothing (results/<gpu>-attention-tuning.csv).
+# The tiles tried for each kernel (BLOCK_M, BLOCK_N, warps, stages), by head_dim: GPU_BLOCKS holds their best_tiles
+# (results/<gpu>-attention-tuning.csv).
 TILE_CANDIDATES = {
     ("forward", 128): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3),
                        (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3)],
