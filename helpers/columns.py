@@ -21,12 +21,15 @@ import triton.language as tl
 from . import exchange, recipes, residency
 from .column_split import softmax_backward_column_split_kernel, softmax_column_split_kernel
 from .kernels import upcast
-from .tiles import LOG2E
+from .tiles import KEEP_IN_L2, LOG2E
 
-# Each row of a program's block is a run of WIDE_RUN_BYTES, or NARROW_RUN_BYTES from LONG_COLUMN rows on, never under
-# MIN_COLUMNS columns; a warp per WARP_BYTES the block holds (both inputs of the backward), 2 to 16. A program holds
-# dims up to MAX_HELD elements (forward) or MAX_HELD_BACKWARD (y and dy). The measurements behind these numbers and
-# the pieces below: results/README.md.
+# A forward block is WIDE_COLUMNS wide, or NARROW_COLUMNS from LONG_COLUMN rows on, in any dtype: it computes in fp32,
+# so its registers go by elements. Each row of a backward block is a run of WIDE_RUN_BYTES, or NARROW_RUN_BYTES from
+# LONG_COLUMN rows on. Never under MIN_COLUMNS columns; a warp per WARP_BYTES the block holds (both inputs of the
+# backward), 2 to 16. A program holds dims up to MAX_HELD elements (forward) or MAX_HELD_BACKWARD (y and dy). The
+# measurements behind these numbers and the pieces below: results/README.md.
+WIDE_COLUMNS = 64
+NARROW_COLUMNS = 32
 WIDE_RUN_BYTES = 256
 NARROW_RUN_BYTES = 64
 LONG_COLUMN = 512
@@ -81,8 +84,11 @@ def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int =
 def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -> ColumnPlan:
     """A block that holds the whole dim."""
     block_r = triton.next_power_of_2(n_reduced)
-    run_bytes = NARROW_RUN_BYTES if block_r >= LONG_COLUMN else WIDE_RUN_BYTES
-    block_c = max(MIN_COLUMNS, min(run_bytes // element_size, triton.next_power_of_2(n_inner)))
+    if n_inputs == 1:
+        columns = NARROW_COLUMNS if block_r >= LONG_COLUMN else WIDE_COLUMNS
+    else:
+        columns = (NARROW_RUN_BYTES if block_r >= LONG_COLUMN else WIDE_RUN_BYTES) // element_size
+    block_c = max(MIN_COLUMNS, min(columns, triton.next_power_of_2(n_inner)))
     warps = triton.next_power_of_2(max(1, block_r * block_c * element_size * n_inputs // WARP_BYTES))
     return ColumnPlan(block_r, block_c, num_warps=min(16, max(2, warps)))
 
@@ -112,35 +118,37 @@ def _sizes(t: torch.Tensor, dim: int) -> tuple[int, int, int]:
 
 @triton.jit
 def column_block(pid, n_reduced, n_inner, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Offsets and mask of program ``pid``'s block: BLOCK_R x BLOCK_C elements, R down, columns across."""
+    """Where program ``pid``'s block lies: BLOCK_R x BLOCK_C elements, R down, columns across, as a 64-bit start and
+    32-bit offsets from it, fewer registers than 64-bit offsets (``takes_columns`` keeps R * inner under 2**31), and
+    their mask."""
     blocks = tl.cdiv(n_inner, BLOCK_C)
-    outer, block = pid // blocks, pid % blocks
+    outer, block = pid // blocks, (pid % blocks).to(tl.int32)
     r = tl.arange(0, BLOCK_R)[:, None]
     c = block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    return outer * n_reduced * n_inner + r * n_inner + c, (r < n_reduced) & (c < n_inner)
+    return outer * n_reduced * n_inner, r * n_inner + c, (r < n_reduced) & (c < n_inner)
 
 
 @triton.jit
 def softmax_column_kernel(y_ptr, x_ptr, n_reduced, n_inner, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Forward: each column's max m and denominator d down its R elements, then y = exp(x - m) / d."""
-    offsets, mask = column_block(tl.program_id(0).to(tl.int64), n_reduced, n_inner, BLOCK_R, BLOCK_C)
-    x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+    start, offsets, mask = column_block(tl.program_id(0).to(tl.int64), n_reduced, n_inner, BLOCK_R, BLOCK_C)
+    x = upcast(tl.load(x_ptr + start + offsets, mask=mask, other=float("-inf"), eviction_policy=KEEP_IN_L2))
     m = tl.max(x, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # a column of -inf: exp gives 0s, and 0 / 0 the NaNs torch gives
     e = tl.exp2((x - m[None, :]) * LOG2E)
     d = tl.sum(e, axis=0)
-    tl.store(y_ptr + offsets, e * (1.0 / d)[None, :], mask=mask)
+    tl.store(y_ptr + start + offsets, e * (1.0 / d)[None, :], mask=mask)
 
 
 @triton.jit
 def softmax_backward_column_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_inner, BLOCK_R: tl.constexpr,
                                    BLOCK_C: tl.constexpr):
     """Backward: dx = y * (dy - sum(y * dy)), the sum down each column."""
-    offsets, mask = column_block(tl.program_id(0).to(tl.int64), n_reduced, n_inner, BLOCK_R, BLOCK_C)
-    y = upcast(tl.load(y_ptr + offsets, mask=mask, other=0.0))
-    dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
+    start, offsets, mask = column_block(tl.program_id(0).to(tl.int64), n_reduced, n_inner, BLOCK_R, BLOCK_C)
+    y = upcast(tl.load(y_ptr + start + offsets, mask=mask, other=0.0))
+    dy = upcast(tl.load(dy_ptr + start + offsets, mask=mask, other=0.0))
     s = tl.sum(y * dy, axis=0)
-    tl.store(dx_ptr + offsets, y * (dy - s[None, :]), mask=mask)
+    tl.store(dx_ptr + start + offsets, y * (dy - s[None, :]), mask=mask)
 
 
 @triton.jit

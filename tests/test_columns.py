@@ -72,8 +72,12 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
         return
     assert plan.segments == 1 and not plan.looped
     assert plan.block_r >= n_reduced and plan.block_r & (plan.block_r - 1) == 0  # the whole dim, a power of two
-    run_bytes = columns.NARROW_RUN_BYTES if n_reduced > columns.LONG_COLUMN // 2 else columns.WIDE_RUN_BYTES
-    assert plan.block_c == columns.MIN_COLUMNS or plan.block_c * element_size <= run_bytes
+    long = n_reduced > columns.LONG_COLUMN // 2
+    if n_inputs == 1:  # the forward computes in fp32 whatever the dtype: columns, not bytes
+        assert plan.block_c <= (columns.NARROW_COLUMNS if long else columns.WIDE_COLUMNS)
+    else:
+        run_bytes = columns.NARROW_RUN_BYTES if long else columns.WIDE_RUN_BYTES
+        assert plan.block_c == columns.MIN_COLUMNS or plan.block_c * element_size <= run_bytes
     assert plan.block_c <= max(columns.MIN_COLUMNS, n_inner * 2)  # no wider than the columns there are
     held_bytes = plan.block_r * plan.block_c * element_size * n_inputs
     assert plan.num_warps in (2, 4, 8, 16) and plan.num_warps * columns.WARP_BYTES <= max(2 * columns.WARP_BYTES,
