@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import exchange, recipes, residency
-from .column_split import softmax_backward_column_split_kernel, softmax_column_split_kernel
+from .column_split import column_piece, softmax_backward_column_split_kernel, softmax_column_split_kernel
 from .kernels import upcast
 from .tiles import KEEP_IN_L2, LOG2E
 
@@ -117,21 +117,10 @@ def _sizes(t: torch.Tensor, dim: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def column_block(pid, n_reduced, n_inner, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Where program ``pid``'s block lies: BLOCK_R x BLOCK_C elements, R down, columns across, as a 64-bit start and
-    32-bit offsets from it, fewer registers than 64-bit offsets (``takes_columns`` keeps R * inner under 2**31), and
-    their mask."""
-    blocks = tl.cdiv(n_inner, BLOCK_C)
-    outer, block = pid // blocks, (pid % blocks).to(tl.int32)
-    r = tl.arange(0, BLOCK_R)[:, None]
-    c = block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    return outer * n_reduced * n_inner, r * n_inner + c, (r < n_reduced) & (c < n_inner)
-
-
-@triton.jit
 def softmax_column_kernel(y_ptr, x_ptr, n_reduced, n_inner, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Forward: each column's max m and denominator d down its R elements, then y = exp(x - m) / d."""
-    start, offsets, mask = column_block(tl.program_id(0).to(tl.int64), n_reduced, n_inner, BLOCK_R, BLOCK_C)
+    """Forward: each column's max m and denominator d down its R elements, then y = exp(x - m) / d. A program's block
+    is where ``column_piece`` puts the one piece (segment 0) of column block ``pid``."""
+    start, offsets, mask = column_piece(tl.program_id(0).to(tl.int64), 0, n_reduced, n_inner, True, BLOCK_R, BLOCK_C)
     x = upcast(tl.load(x_ptr + start + offsets, mask=mask, other=float("-inf"), eviction_policy=KEEP_IN_L2))
     m = tl.max(x, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # a column of -inf: exp gives 0s, and 0 / 0 the NaNs torch gives
@@ -144,7 +133,7 @@ def softmax_column_kernel(y_ptr, x_ptr, n_reduced, n_inner, BLOCK_R: tl.constexp
 def softmax_backward_column_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_inner, BLOCK_R: tl.constexpr,
                                    BLOCK_C: tl.constexpr):
     """Backward: dx = y * (dy - sum(y * dy)), the sum down each column."""
-    start, offsets, mask = column_block(tl.program_id(0).to(tl.int64), n_reduced, n_inner, BLOCK_R, BLOCK_C)
+    start, offsets, mask = column_piece(tl.program_id(0).to(tl.int64), 0, n_reduced, n_inner, True, BLOCK_R, BLOCK_C)
     y = upcast(tl.load(y_ptr + start + offsets, mask=mask, other=0.0))
     dy = upcast(tl.load(dy_ptr + start + offsets, mask=mask, other=0.0))
     s = tl.sum(y * dy, axis=0)
