@@ -95,11 +95,11 @@ PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it i
 
 
 def exchange_recipe(kernel, ints: tuple, constexprs: dict, num_warps: int, segments: int, n_groups: int,
-                    group_slots: int, resident: int) -> Recipe | None:
+                    group_slots: int, resident: int, max_registers: int | None = None) -> Recipe | None:
     """The launch of a kernel whose groups of ``segments`` programs exchange partials (a split row, or a split block
     of columns), or None if a group's programs cannot be resident together on a GPU that holds ``resident`` of them
     (``split_grid``). Its exchange buffer, ``group_slots`` EMPTY slots per group and the ticket counter after them
-    (also EMPTY, -1), follows the operands in the kernel's arguments."""
+    (also EMPTY, -1), follows the operands in the kernel's arguments. ``max_registers``: the kernel's register cap."""
     grid = residency.split_grid(segments, n_groups, resident)
     if grid == 0:
         return None
@@ -110,5 +110,5 @@ def exchange_recipe(kernel, ints: tuple, constexprs: dict, num_warps: int, segme
         phases = (FUSED,)
     partials = Buffer(n_groups * group_slots + 1, torch.int64, EMPTY.value)
     # PHASE as a plain int: torch.compile writes the launch out as Python source
-    return Recipe((partials,), tuple(Step(kernel, grid, ints, dict(constexprs, PHASE=phase.value), num_warps)
-                                     for phase in phases))
+    return Recipe((partials,), tuple(Step(kernel, grid, ints, dict(constexprs, PHASE=phase.value), num_warps,
+                                          max_registers) for phase in phases))

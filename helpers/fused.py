@@ -6,6 +6,8 @@ longer ones still, and fp64 rows, take two passes (``two_pass``). The shapes com
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -90,7 +92,8 @@ def _on_16_bytes(t: torch.Tensor) -> bool:
 
 def needs_narrow_pieces(plan: plans.Plan, registers: int, spills: int) -> bool:
     """Whether a split of wide pieces compiled to more than REGISTER_BUDGET registers a thread, or spilled (as it can
-    with another Triton version): then it takes pieces of SEGMENT_ELEMENTS, which fit."""
+    with another Triton version, or where no register cap reaches the compiler): then it takes pieces of
+    SEGMENT_ELEMENTS, which fit."""
     return plan.block_n == plans.WIDE_SEGMENT_ELEMENTS and (registers > residency.REGISTER_BUDGET or spills > 0)
 
 
@@ -99,6 +102,8 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
     n_rows, n_cols = ints[-2:]
     device = operands[0].device
     align = _align(plan, *operands)
+    if not recipes.plain(operands):  # traced: torch.compile's Inductor builds the kernel without Triton's maxnreg
+        plan = dataclasses.replace(plan, max_registers=None)
 
     def constexprs_for(plan):
         return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
@@ -107,10 +112,11 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
     if residency.split_grid(plan.segments, n_rows, residency.most_resident(plan.num_warps, device)) == 0:
         return None  # more pieces than the GPU could ever hold: no need to compile the split to know
     args = (*operands, exchange.PARTIALS, *ints)
-    resources = residency.compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
+    resources = residency.compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device,
+                                             plan.max_registers)
     if needs_narrow_pieces(plan, resources.registers, resources.spills):
         phase = "forward" if kernel is split_rows.softmax_split_kernel else "backward"
         plan = plans.plan_for(n_cols, phase, operands[1].element_size(), wide_pieces=False)
         resources = residency.compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
     return exchange.exchange_recipe(kernel, ints, constexprs_for(plan), plan.num_warps, plan.segments, n_rows,
-                                    plan.segments, resources.resident)
+                                    plan.segments, resources.resident, plan.max_registers)

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 
 import triton
 
+from .residency import REGISTER_BUDGET
+
 
 @dataclass(frozen=True)
 class Plan:
     """How rows of one length are cut: ``segments`` programs per row (1: tile kernel) of ``block_n`` elements,
     ``rows`` rows per tile, ``num_warps`` warps per program, and whether a tile kernel runs a persistent grid (a split
     always does: its programs must all be resident) or one program per tile. A split places its pieces on 16-byte
-    boundaries when ``align`` > 1 (elements per 16 bytes) and the tensors' layout allows it."""
+    boundaries when ``align`` > 1 (elements per 16 bytes) and the tensors' layout allows it. ``max_registers``
+    caps the registers a thread of its kernel may take (Triton's ``maxnreg``; None: the compiler's choice)."""
 
     rows: int
     block_n: int
@@ -21,6 +24,7 @@ class Plan:
     num_warps: int
     persistent: bool = False
     align: int = 1
+    max_registers: int | None = None
 
 
 # Shapes read off the tuning sweeps and side-by-side H100 timings: good at every length rather than best at one and
@@ -74,10 +78,12 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool =
     # Rows of a length that is not a multiple of 16 start off 16-byte boundaries; aligned pieces (a window up to
     # align - 1 elements wider than the row, ``split_rows.row_window``) load 16 bytes at a time again (notebook 06).
     align = 16 // element_size if n_cols % 16 else 1
-    # Wide pieces: 16-bit pieces are kept as loaded (half the registers of fp32), so long 16-bit rows take twice the
-    # elements, the same bytes per program as fp32; and the fp32 forward past MAX_TILE_ROW, on 4 warps.
+    # Wide pieces: 16-bit pieces are kept as loaded (half the registers of fp32), so 16-bit rows take twice the
+    # elements, the same bytes per program as fp32: every 16-bit forward split, under a cap of REGISTER_BUDGET
+    # registers (left to itself the compiler takes 136-155 and fewer programs fit), and the backward's longest rows;
+    # and the fp32 forward past MAX_TILE_ROW, on 4 warps.
     if element_size == 2:
-        wide = wide_pieces and n_cols >= 32 * WIDE_SEGMENT_ELEMENTS
+        wide = wide_pieces and (phase == "forward" or n_cols >= 32 * WIDE_SEGMENT_ELEMENTS)
     else:
         wide = wide_pieces and element_size == 4 and phase == "forward" and n_cols > MAX_TILE_ROW
     block_n = WIDE_SEGMENT_ELEMENTS if wide else SEGMENT_ELEMENTS
@@ -87,7 +93,8 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool =
         warps = (2 if wide else 1) if element_size == 2 else (4 if wide or segments >= 32 else 2)
     else:
         warps = 2 if element_size == 2 and not wide else 4
-    return Plan(1, block_n, segments, warps, persistent=True, align=align)
+    cap = REGISTER_BUDGET if wide and element_size == 2 and phase == "forward" else None
+    return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap)
 
 
 # Few rows over a long row (sampling and decode: a handful of rows over a vocabulary) leave the default plan few

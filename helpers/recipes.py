@@ -13,6 +13,7 @@ import triton
 from .device import DEVICE, INTERPRET
 from .kernels import launch
 from .plans import Plan
+from .residency import compile_options
 
 
 @dataclass(frozen=True)
@@ -31,24 +32,27 @@ class Buffer:
 
 @dataclass
 class Step:
-    """One launch of a call: ``kernel`` on ``grid`` programs. Its arguments are the call's tensors (its operands, then
-    its buffers), then the integers ``ints``, then ``constexprs``."""
+    """One launch of a call: ``kernel`` on ``grid`` programs of ``num_warps`` warps, compiled within ``max_registers``
+    a thread if given. Its arguments are the call's tensors (its operands, then its buffers), then the integers
+    ``ints``, then ``constexprs``."""
 
     kernel: triton.runtime.JITFunction
     grid: int
     ints: tuple
     constexprs: dict
     num_warps: int
+    max_registers: int | None = None
     direct: object = None  # once prepared: a function of (addresses, stream) that launches (``_direct_launch``)
 
     def run(self, tensors: tuple[torch.Tensor, ...]) -> None:
         """Launch through ``kernels.launch``: traced tensors, or the interpreter."""
-        launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs, num_warps=self.num_warps)
+        launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs,
+               **compile_options(self.num_warps, self.max_registers))
 
     def prepare(self, tensors: tuple[torch.Tensor, ...]):
         """Compile for ``tensors`` (or find the kernel in Triton's cache) and make ``direct``."""
         compiled = self.kernel.warmup(*tensors, *self.ints, **self.constexprs, grid=(self.grid,),
-                                      num_warps=self.num_warps)
+                                      **compile_options(self.num_warps, self.max_registers))
         compiled[(self.grid, 1, 1)]  # loads the module: the kernel's function handle and launcher
         constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(tensors) + len(self.ints):])
         self.direct = _direct_launch(compiled, self.grid, (*self.ints, *constants))

@@ -48,18 +48,25 @@ REGISTER_BUDGET = 128  # per thread: 16 one-warp programs (8 two-warp ones) fit 
 _resources_cache: dict[tuple, Resources] = {}
 
 
-def compiled_resources(kernel, args, constexprs, num_warps: int, device: torch.device) -> Resources:
-    """The registers, spills and residency of ``kernel`` as compiled for these arguments, read off the compiled
-    kernel on the GPU: they change with the Triton version (a piece of 141 registers on one, 128 on another)."""
+def compile_options(num_warps: int, max_registers: int | None) -> dict:
+    """Triton's launch options for programs of ``num_warps`` warps within ``max_registers`` registers a thread."""
+    return dict(num_warps=num_warps) if max_registers is None else dict(num_warps=num_warps, maxnreg=max_registers)
+
+
+def compiled_resources(kernel, args, constexprs, num_warps: int, device: torch.device,
+                       max_registers: int | None = None) -> Resources:
+    """The registers, spills and residency of ``kernel`` as compiled for these arguments (within ``max_registers`` a
+    thread, if given), read off the compiled kernel on the GPU: they change with the Triton version (a piece of 141
+    registers on one, 128 on another)."""
     if INTERPRET:
         return Resources(0, 0, CPU_RESIDENT_PROGRAMS)
     # Compiled for the dtypes alone (no data pointers: under torch.compile the tensors are FakeTensors), with the
     # integers' specialisations (== 1, multiple of 16) kept: a unit column stride changes the code the most.
     signature = [a.dtype if isinstance(a, torch.Tensor) else a if isinstance(a, torch.dtype) else int(a) for a in args]
-    key = (kernel.fn.__name__, num_warps, device.index, *sorted(constexprs.items()),
+    key = (kernel.fn.__name__, num_warps, max_registers, device.index, *sorted(constexprs.items()),
            *(a if isinstance(a, torch.dtype) else (a == 1, a % 16 == 0) for a in signature))
     if key not in _resources_cache:
-        compiled = kernel.warmup(*signature, **constexprs, num_warps=num_warps, grid=(1,))
+        compiled = kernel.warmup(*signature, **constexprs, grid=(1,), **compile_options(num_warps, max_registers))
         resident = resident_programs(compiled, num_warps, device.index or 0)
         _resources_cache[key] = Resources(compiled.n_regs, compiled.n_spills, resident)
     return _resources_cache[key]

@@ -84,12 +84,12 @@ from helpers.display import cuobjdump
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from helpers import exchange, fused, plans, split_rows, tiles
+from helpers import exchange, fused, plans, residency, split_rows, tiles
 
 
 # kernel compiled for sm_90 as launched on contiguous rows (16-byte aligned data pointers, unit column strides; the
 # other integers specialised as multiples of 16 where they are), with its registers and stack bytes
-def compile_as_launched(kernel, dtype, constexprs, num_warps, ints_multiple_of_16=False):
+def compile_as_launched(kernel, dtype, constexprs, num_warps, ints_multiple_of_16=False, max_registers=None):
     signature, attrs, constexprs = {}, {}, dict(constexprs)
     for i, param in enumerate(kernel.params):
         if param.name in constexprs:
@@ -104,7 +104,7 @@ def compile_as_launched(kernel, dtype, constexprs, num_warps, ints_multiple_of_1
             if ints_multiple_of_16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps))
+                              options=residency.compile_options(num_warps, max_registers))
     usage = cuobjdump(compiled.asm["cubin"], "-res-usage")
     return compiled, int(usage.split("REG:")[1].split()[0]), int(usage.split("STACK:")[1].split()[0])
 """
@@ -113,13 +113,14 @@ SPLIT_KERNELS = AS_LAUNCHED_ON_H100 + r"""
 for phase, kernel in (("forward", split_rows.softmax_split_kernel),
                       ("backward", split_rows.softmax_backward_split_kernel)):
     for dtype, element_size in (("bf16", 2), ("fp32", 4)):
-        for n_cols in (50257, 131083):  # odd row strides; the longer rows take 16-bit pieces of 4096
+        for n_cols in (50257, 131083):  # odd row strides; 16-bit forward pieces of 4096, backward ones past 131072
             for align in (1, plans.plan_for(n_cols, phase, element_size).align):
                 plan = plans.plan_for(n_cols, phase, element_size)
                 while True:  # the launcher's rule: wide pieces over the register budget fall back to narrow ones
                     constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
                                       BLOCK_N=plan.block_n, PHASE=exchange.FUSED.value, ALIGN=align)
-                    compiled, registers, stack = compile_as_launched(kernel, dtype, constexprs, plan.num_warps)
+                    compiled, registers, stack = compile_as_launched(kernel, dtype, constexprs, plan.num_warps,
+                                                                     max_registers=plan.max_registers)
                     if not fused.needs_narrow_pieces(plan, registers, stack):
                         break
                     plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
@@ -134,8 +135,8 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
     spilling, so 16 one-warp programs (8 two-warp, 4 four-warp ones) fit an SM: the split kernels' speed rests on
     both. Register allocation changes between Triton versions, so the launcher reads the compiled kernel's registers
     and gives wide pieces (4096: 16-bit rows and the fp32 forward) over the budget narrow ones (2048); this test
-    applies the same rule to the compiler it runs with. 16-bit pieces fit only because they stay 16-bit until used
-    (``upcast_again``; an fp32 copy takes 145-210 registers)."""
+    applies the same rule, and the plan's register cap (the 16-bit forward's), to the compiler it runs with. 16-bit
+    pieces fit only because they stay 16-bit until used (``upcast_again``; an fp32 copy takes 145-210 registers)."""
     out = compile_in_subprocess(SPLIT_KERNELS)
     compiled = [line.split() for line in out.stdout.splitlines()]
     assert len(compiled) == 16, out.stdout

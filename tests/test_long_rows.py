@@ -276,8 +276,7 @@ def test_repeated_splits_match_torch(monkeypatch, phase):
     assert any("split" in name for name in names), names
 
 
-@pytest.mark.parametrize("resident, pieces", [(4096, plans.FEW_ROWS_PIECE), (60, plans.SEGMENT_ELEMENTS)],
-                         ids=["fits", "does not fit"])
+@pytest.mark.parametrize("resident, pieces", [(4096, plans.FEW_ROWS_PIECE), (60, None)], ids=["fits", "does not fit"])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_few_rows_take_small_pieces(monkeypatch, resident, pieces, phase):
     """One bf16 row of 40000 elements has few programs with the default plan: it takes pieces of FEW_ROWS_PIECE, unless
@@ -297,5 +296,36 @@ def test_few_rows_take_small_pieces(monkeypatch, resident, pieces, phase):
                                    atol=2e-2, rtol=2e-2)
     kernel = split_rows.softmax_split_kernel if phase == "forward" else split_rows.softmax_backward_split_kernel
     (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1] if step.kernel is kernel]
+    pieces = pieces or plans.plan_for(40000, phase, 2).block_n  # None: the default plan's
     assert step.constexprs["BLOCK_N"] == pieces and step.constexprs["SEGMENTS"] == -(-40000 // pieces)
     assert plans.few_rows_plan(1, 40000, "backward", 4) is None
+
+
+# A GPU subprocess: 16-bit forward splits of several lengths against torch, then the plain calls' launches: every one
+# a piece of 4096 under the register cap, and every split kernel compiled within it, without spills.
+GPU_CAPPED_PIECES = r"""
+import torch
+import helpers
+from helpers import plans, recipes, residency, split_rows
+
+for dtype in (torch.bfloat16, torch.float16):
+    for n_cols in (20000, 50257, 65536):
+        x = torch.randn(64, n_cols, device="cuda", dtype=dtype) * 4
+        y = helpers.softmax_forward(x)
+        torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
+steps = [step for recipe in recipes._recipes.values() for step in recipe.steps
+         if step.kernel is split_rows.softmax_split_kernel]
+assert len(steps) == 6 and all(step.max_registers == residency.REGISTER_BUDGET
+                               and step.constexprs["BLOCK_N"] == plans.WIDE_SEGMENT_ELEMENTS for step in steps), steps
+compiled = [r for r in residency.spill_report() if r["kernel"] == "softmax_split_kernel"]
+assert compiled and all(r["num_warps"] == 2 and r["n_regs"] <= residency.REGISTER_BUDGET and r["n_spills"] == 0
+                        for r in compiled), compiled  # 2 warps: pieces of 4096 (narrow ones take 1)
+print(len(compiled), "ok")
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the register cap is a compiler option")
+def test_16_bit_forward_pieces_run_under_the_register_cap():
+    """The 16-bit forward's pieces of 4096 take 136-155 registers uncapped under Triton 3.6, so fewer programs fit;
+    ``plan_for`` caps them at REGISTER_BUDGET, which the launches and the residency count must both carry."""
+    assert run_with_timeout(GPU_CAPPED_PIECES).endswith(" ok\n")
