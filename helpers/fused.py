@@ -105,18 +105,25 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
     if not recipes.plain(operands):  # traced: torch.compile's Inductor builds the kernel without Triton's maxnreg
         plan = dataclasses.replace(plan, max_registers=None)
 
-    def constexprs_for(plan):
+    element_size = operands[1].element_size()
+
+    def constexprs_for(plan, even=True):
+        piece = plans.piece_length(n_cols, plan, align, element_size) if even else plan.block_n
         return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
-                    ALIGN=align, PHASE=exchange.FUSED.value)
+                    ALIGN=align, PIECE=piece, PHASE=exchange.FUSED.value)
 
     if residency.split_grid(plan.segments, n_rows, residency.most_resident(plan.num_warps, device)) == 0:
         return None  # more pieces than the GPU could ever hold: no need to compile the split to know
     args = (*operands, exchange.PARTIALS, *ints)
-    resources = residency.compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device,
-                                             plan.max_registers)
+    constexprs = constexprs_for(plan)
+    resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device, plan.max_registers)
+    if needs_narrow_pieces(plan, resources.registers, resources.spills) and constexprs["PIECE"] < plan.block_n:
+        constexprs = constexprs_for(plan, even=False)  # even pieces over the budget: full ones may fit
+        resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device, plan.max_registers)
     if needs_narrow_pieces(plan, resources.registers, resources.spills):
         phase = "forward" if kernel is split_rows.softmax_split_kernel else "backward"
-        plan = plans.plan_for(n_cols, phase, operands[1].element_size(), wide_pieces=False)
-        resources = residency.compiled_resources(kernel, args, constexprs_for(plan), plan.num_warps, device)
-    return exchange.exchange_recipe(kernel, ints, constexprs_for(plan), plan.num_warps, plan.segments, n_rows,
-                                    plan.segments, resources.resident, plan.max_registers)
+        plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
+        constexprs = constexprs_for(plan)
+        resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device)
+    return exchange.exchange_recipe(kernel, ints, constexprs, plan.num_warps, plan.segments, n_rows, plan.segments,
+                                    resources.resident, plan.max_registers)

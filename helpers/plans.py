@@ -97,6 +97,23 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool =
     return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap)
 
 
+# A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
+# row just past a multiple of the piece), every piece takes an even share instead, so no program idles while the
+# others set the pace; elsewhere the full pieces compile leaner (results/<gpu>-split-forward.md, "Equal pieces").
+EVEN_PADDING = 1 / 32
+
+
+def piece_length(n_cols: int, plan: Plan, align: int, element_size: int) -> int:
+    """The elements of a row each program of ``plan``'s split holds, of a row window of ``n_cols`` + ``align`` - 1
+    positions (``split_rows.row_window``): ``plan.block_n``, the last program taking the rest, or an even share of
+    the window in whole 16-byte chunks where the rest would leave more than EVEN_PADDING of the pieces empty."""
+    window, pieces = int(n_cols) + align - 1, plan.segments * plan.block_n
+    chunk = 16 // element_size
+    if plan.block_n % chunk or pieces - window <= EVEN_PADDING * pieces:
+        return plan.block_n
+    return triton.cdiv(triton.cdiv(window, plan.segments), chunk) * chunk
+
+
 # Few rows over a long row (sampling and decode: a handful of rows over a vocabulary) leave the default plan few
 # programs, and a call then lasts as long as one program's loads. Pieces of FEW_ROWS_PIECE elements put more programs
 # to work, up to FEW_PROGRAMS in all (notebook 07; no gain in the fp32 backward, which keeps the default plan).

@@ -40,13 +40,24 @@ def edge_positions(shift, chunk_start, chunk_end, n_cols, owner, ALIGN: tl.const
 
 
 @triton.jit
-def load_window(in_ptr, row, row_stride, col_stride, n_cols, valid, segment, piece, other, ALIGN: tl.constexpr):
+def in_piece(piece, chunk_start, chunk_end, PIECE: tl.constexpr):
+    """Which of a piece's positions to load and store: those of the window's whole chunks, and of the piece's PIECE
+    (``plans.piece_length``) where that is fewer than its BLOCK_N lanes."""
+    mask = (piece >= chunk_start) & (piece < chunk_end)
+    if PIECE < piece.shape[0]:
+        mask &= tl.arange(0, piece.shape[0]) < PIECE
+    return mask
+
+
+@triton.jit
+def load_window(in_ptr, row, row_stride, col_stride, n_cols, valid, segment, piece, other, ALIGN: tl.constexpr,
+                PIECE: tl.constexpr):
     """Load one piece of a row where ``row_window`` places it, in the tensor's dtype: its whole chunks, which never
     reach into a neighbouring row, and, for the row's first program, the elements of the partial end chunks one by one
     (``other`` everywhere else)."""
     start, shift, chunk_start, chunk_end = row_window(row, row_stride, n_cols, valid, ALIGN)
     offsets = piece if ALIGN > 1 else piece * col_stride  # aligned windows have unit column strides
-    values = tl.load(in_ptr + start + offsets, mask=(piece >= chunk_start) & (piece < chunk_end), other=other,
+    values = tl.load(in_ptr + start + offsets, mask=in_piece(piece, chunk_start, chunk_end, PIECE), other=other,
                      eviction_policy=KEEP_IN_L2)
     edge_values = tl.full((2 * ALIGN,), other, in_ptr.dtype.element_ty)
     if ALIGN > 1:
@@ -57,10 +68,10 @@ def load_window(in_ptr, row, row_stride, col_stride, n_cols, valid, segment, pie
 
 @triton.jit
 def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values, edge_values,
-                 ALIGN: tl.constexpr):
+                 ALIGN: tl.constexpr, PIECE: tl.constexpr):
     """Store one piece of a row where ``row_window`` places it, as ``load_window`` loads it."""
     start, shift, chunk_start, chunk_end = row_window(row, row_stride, n_cols, valid, ALIGN)
-    tl.store(out_ptr + start + piece, values, mask=(piece >= chunk_start) & (piece < chunk_end))
+    tl.store(out_ptr + start + piece, values, mask=in_piece(piece, chunk_start, chunk_end, PIECE))
     if ALIGN > 1:
         edge, in_edge = edge_positions(shift, chunk_start, chunk_end, n_cols, valid & (segment == 0), ALIGN)
         tl.store(out_ptr + start + edge, edge_values, mask=in_edge)
@@ -68,7 +79,7 @@ def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values
 
 @triton.jit
 def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, parity, x, x_edge,
-                         SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
+                         SEGMENTS: tl.constexpr, ALIGN: tl.constexpr, PIECE: tl.constexpr):
     """y for one piece of ``row``, kept as loaded: merge the row's (m, d) partials, then y = exp(x - m) / d."""
     m_parts, d_parts = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid, parity))
     m_parts = tl.where(parts < SEGMENTS, m_parts, float("-inf"))  # padding slots: the merge identity
@@ -77,19 +88,20 @@ def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segm
     d_inverse = 1.0 / d_row
     store_window(y_ptr, row, y_row_stride, n_cols, valid, segment, piece,
                  tl.exp2((upcast_again(x) - m_row) * LOG2E) * d_inverse,
-                 tl.exp2((upcast_again(x_edge) - m_row) * LOG2E) * d_inverse, ALIGN)
+                 tl.exp2((upcast_again(x_edge) - m_row) * LOG2E) * d_inverse, ALIGN, PIECE)
 
 
 @triton.jit
 def softmax_split_kernel(
     y_ptr, x_ptr, part_ptr, x_row_stride, x_col_stride, y_row_stride, n_rows, n_cols,
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-    PHASE: tl.constexpr,
+    PIECE: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Forward for long rows: SEGMENTS consecutive programs share each row, one BLOCK_N piece each, and merge their
-    (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per piece, tagged with the call's parity, and
-    one ticket counter after the last row's. Groups of SEGMENTS programs walk the rows grid-stride. ALIGN > 1 places
-    the pieces on 16-byte boundaries (``row_window``; it needs unit column strides and equal row strides).
+    """Forward for long rows: SEGMENTS consecutive programs share each row, a piece of PIECE elements each in BLOCK_N
+    lanes (``plans.piece_length``), and merge their (m, d) (notebook 05's merge) through ``part_ptr``: one packed word
+    per piece, tagged with the call's parity, and one ticket counter after the last row's. Groups of SEGMENTS programs
+    walk the rows grid-stride. ALIGN > 1 places the pieces on 16-byte boundaries (``row_window``; it needs unit column
+    strides and equal row strides).
 
     Each piece stays in registers as loaded, and finishing computes exp(x - m) again with the row's m: a second
     exponential per element costs less than keeping e = exp(x - m_piece), fp32 and twice the registers of a 16-bit
@@ -100,7 +112,7 @@ def softmax_split_kernel(
     program, parity = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
-    piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the row (columns when ALIGN = 1)
+    piece = segment * PIECE + tl.arange(0, BLOCK_N)  # positions in the row (columns when ALIGN = 1)
     parts = tl.arange(0, SEGMENTS_POW2)
     x_prev = tl.zeros((BLOCK_N,), x_ptr.dtype.element_ty)
     x_edge_prev = tl.zeros((2 * ALIGN,), x_ptr.dtype.element_ty)
@@ -110,7 +122,7 @@ def softmax_split_kernel(
         valid = row < n_rows
         # the piece's elements, and in the row's first program the end chunks' elements too: the partial covers both
         x, x_edge = load_window(x_ptr, row, x_row_stride, x_col_stride, n_cols, valid, segment, piece, float("-inf"),
-                                ALIGN)
+                                ALIGN, PIECE)
         if PHASE != FINISH:
             m = tl.maximum(tl.max(upcast(x), axis=0), tl.max(upcast(x_edge), axis=0))
             m_finite = tl.where(m == float("-inf"), 0.0, m)  # all -inf: partial (-inf, 0)
@@ -121,30 +133,30 @@ def softmax_split_kernel(
         if PHASE == FUSED:
             finish_forward_piece(y_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
                                  y_row_stride, n_cols, segment, piece, parts, parity, x_prev, x_edge_prev, SEGMENTS,
-                                 ALIGN)
+                                 ALIGN, PIECE)
             x_prev, x_edge_prev = x, x_edge
         elif PHASE == FINISH:
             finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, parity, x,
-                                 x_edge, SEGMENTS, ALIGN)
+                                 x_edge, SEGMENTS, ALIGN, PIECE)
 
 
 @triton.jit
 def finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, parity, y, dy,
-                          y_edge, dy_edge, SEGMENTS: tl.constexpr, ALIGN: tl.constexpr):
+                          y_edge, dy_edge, SEGMENTS: tl.constexpr, ALIGN: tl.constexpr, PIECE: tl.constexpr):
     """dx for one piece of ``row``, y and dy kept as loaded: the row's sum(y * dy) from its partials, then
     y * (dy - sum)."""
     dot_parts, _ = unpack(read_partials(part_ptr, row, parts, SEGMENTS, valid, parity))
     dot = tl.sum(tl.where(parts < SEGMENTS, dot_parts, 0.0), axis=0)
     store_window(dx_ptr, row, dx_row_stride, n_cols, valid, segment, piece,
                  upcast_again(y) * (upcast_again(dy) - dot), upcast_again(y_edge) * (upcast_again(dy_edge) - dot),
-                 ALIGN)
+                 ALIGN, PIECE)
 
 
 @triton.jit
 def softmax_backward_split_kernel(
     dx_ptr, y_ptr, dy_ptr, part_ptr, y_row_stride, y_col_stride, dy_row_stride, dy_col_stride, dx_row_stride, n_rows,
     n_cols, SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-    PHASE: tl.constexpr,
+    PIECE: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
     with a 0 that carries the tag), with the forward's row window and one-row-behind pipeline;
@@ -153,7 +165,7 @@ def softmax_backward_split_kernel(
     program, parity = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
-    piece = segment * BLOCK_N + tl.arange(0, BLOCK_N)
+    piece = segment * PIECE + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
     y_prev = tl.zeros((BLOCK_N,), y_ptr.dtype.element_ty)
     dy_prev = tl.zeros((BLOCK_N,), dy_ptr.dtype.element_ty)
@@ -162,8 +174,10 @@ def softmax_backward_split_kernel(
     for row_index in range(group, n_rows + n_groups, n_groups):
         row = tl.cast(row_index, tl.int64)
         valid = row < n_rows
-        y, y_edge = load_window(y_ptr, row, y_row_stride, y_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN)
-        dy, dy_edge = load_window(dy_ptr, row, dy_row_stride, dy_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN)
+        y, y_edge = load_window(y_ptr, row, y_row_stride, y_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN,
+                                PIECE)
+        dy, dy_edge = load_window(dy_ptr, row, dy_row_stride, dy_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN,
+                                  PIECE)
         if PHASE != FINISH:
             dot_piece = (tl.sum(upcast(y) * upcast(dy), axis=0)
                          + tl.sum(upcast(y_edge) * upcast(dy_edge), axis=0))
@@ -172,8 +186,8 @@ def softmax_backward_split_kernel(
         if PHASE == FUSED:
             finish_backward_piece(dx_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
                                   dx_row_stride, n_cols, segment, piece, parts, parity, y_prev, dy_prev, y_edge_prev,
-                                  dy_edge_prev, SEGMENTS, ALIGN)
+                                  dy_edge_prev, SEGMENTS, ALIGN, PIECE)
             y_prev, dy_prev, y_edge_prev, dy_edge_prev = y, dy, y_edge, dy_edge
         elif PHASE == FINISH:
             finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, parity, y,
-                                  dy, y_edge, dy_edge, SEGMENTS, ALIGN)
+                                  dy, y_edge, dy_edge, SEGMENTS, ALIGN, PIECE)

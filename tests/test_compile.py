@@ -34,7 +34,7 @@ kernels = {name: obj for module in modules
            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
 assert len(kernels) >= 17, sorted(kernels)
 CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "ALIGN": 4, "CHUNKS_POW2": 512, "BLOCK_R": 256,
-              "BLOCK_C": 16}  # others: blocks
+              "BLOCK_C": 16, "PIECE": 1000}  # others: blocks (a split's piece shorter than its block: even pieces)
 PARTIALS = {"part_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "dot_ptr": "*fp32"}  # fp64's in fp64
 for name, kernel in sorted(kernels.items()):
     # fp64 rows too long for a tile take the two-pass kernels, and fp64 softmax over another dim the rows path
@@ -116,16 +116,22 @@ for phase, kernel in (("forward", split_rows.softmax_split_kernel),
         for n_cols in (50257, 131083):  # odd row strides; 16-bit forward pieces of 4096, backward ones past 131072
             for align in (1, plans.plan_for(n_cols, phase, element_size).align):
                 plan = plans.plan_for(n_cols, phase, element_size)
-                while True:  # the launcher's rule: wide pieces over the register budget fall back to narrow ones
+                # the launcher's rule: even pieces over the register budget fall back to full ones, wide pieces to
+                # narrow ones
+                pieces = [plans.piece_length(n_cols, plan, align, element_size), plan.block_n]
+                while True:
                     constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
-                                      BLOCK_N=plan.block_n, PHASE=exchange.FUSED.value, ALIGN=align)
+                                      BLOCK_N=plan.block_n, PIECE=pieces.pop(0), PHASE=exchange.FUSED.value,
+                                      ALIGN=align)
                     compiled, registers, stack = compile_as_launched(kernel, dtype, constexprs, plan.num_warps,
                                                                      max_registers=plan.max_registers)
                     if not fused.needs_narrow_pieces(plan, registers, stack):
                         break
-                    plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
+                    if not pieces or pieces[0] == constexprs["PIECE"]:
+                        plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
+                        pieces = [plans.piece_length(n_cols, plan, align, element_size)]
                 wide_loads = len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4", compiled.asm["ptx"]))
-                print(phase, dtype, n_cols, plan.block_n, align, registers, stack, wide_loads)
+                print(phase, dtype, n_cols, plan.block_n, constexprs["PIECE"], align, registers, stack, wide_loads)
 """
 
 
@@ -135,12 +141,14 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
     spilling, so 16 one-warp programs (8 two-warp, 4 four-warp ones) fit an SM: the split kernels' speed rests on
     both. Register allocation changes between Triton versions, so the launcher reads the compiled kernel's registers
     and gives wide pieces (4096: 16-bit rows and the fp32 forward) over the budget narrow ones (2048); this test
-    applies the same rule, and the plan's register cap (the 16-bit forward's), to the compiler it runs with. 16-bit
-    pieces fit only because they stay 16-bit until used (``upcast_again``; an fp32 copy takes 145-210 registers)."""
+    applies the same rule, and the plan's register cap (the 16-bit forward's), to the compiler it runs with, after
+    even pieces over the budget fall back to full ones. 16-bit pieces fit only because they stay 16-bit until used
+    (``upcast_again``; an fp32 copy takes 145-210 registers)."""
     out = compile_in_subprocess(SPLIT_KERNELS)
     compiled = [line.split() for line in out.stdout.splitlines()]
     assert len(compiled) == 16, out.stdout
-    assert "2048" in {block_n for *_, block_n, _, _, _, _ in compiled}, out.stdout
+    assert "2048" in {block_n for *_, block_n, _, _, _, _, _ in compiled}, out.stdout
+    assert any(piece != block_n for *_, block_n, piece, _, _, _, _ in compiled), out.stdout  # even pieces at 50257
     for *_, align, registers, stack, wide_loads in compiled:
         if align == "1":
             assert wide_loads == "0", out.stdout
