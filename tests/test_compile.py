@@ -125,7 +125,8 @@ for phase, kernel in (("forward", split_rows.softmax_split_kernel),
                                       ALIGN=align)
                     compiled, registers, stack = compile_as_launched(kernel, dtype, constexprs, plan.num_warps,
                                                                      max_registers=plan.max_registers)
-                    if not fused.needs_narrow_pieces(plan, registers, stack):
+                    allowance = fused.EVEN_SPILL_ALLOWANCE if constexprs["PIECE"] < plan.block_n else 0
+                    if not fused.needs_narrow_pieces(plan, registers, stack // 4, allowance):  # 4-byte registers
                         break
                     if not pieces or pieces[0] == constexprs["PIECE"]:
                         plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
