@@ -99,7 +99,7 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool =
 
 # A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
 # row just past a multiple of the piece), every piece takes an even share instead, so no program idles while the
-# others set the pace; elsewhere the full pieces compile leaner (results/<gpu>-split-forward.md, "Equal pieces").
+# others set the pace; elsewhere the full pieces compile leaner (results/README.md, "Even pieces").
 EVEN_PADDING = 1 / 32
 
 
