@@ -9,8 +9,10 @@ import helpers
 from helpers import columns, recipes, residency
 
 # (shape, dim): a short class dim, a dim of 1, an odd dim over odd columns, the longest dim held, a leading dim
-# the walk's running sum rounds once per chunk of LOOPED_ROWS: fp32 a little looser than TOLERANCE
+# the walk's running sum rounds once per chunk of LOOPED_ROWS: fp32 a little looser than TOLERANCE; the same for the
+# backward's sum of y * dy over a dim of 1101, whose rounding an element of dx near 0.03 saw at 1.5e-6 in one CPU run
 LONG_TOLERANCE = {**TOLERANCE, torch.float32: dict(atol=1e-6, rtol=1e-4)}
+LONG_BACKWARD_TOLERANCE = {**BACKWARD_TOLERANCE, torch.float32: dict(atol=1e-6, rtol=1e-4)}
 SHAPES = [((4, 21, 6, 5), 1), ((3, 1, 7), 1), ((2, 37, 19), 1), ((2, columns.MAX_HELD, 3), 1), ((9, 40), 0)]
 
 
@@ -128,7 +130,7 @@ def test_long_dims(monkeypatch, dtype, fits):
     dy = randn(*x.shape, dtype=dtype, scale=1.0)
     dx = helpers.softmax_backward(expected, dy, 1)
     torch.testing.assert_close(dx.double(), torch_backward(expected, dy, 1), equal_nan=True,
-                               **BACKWARD_TOLERANCE[dtype])
+                               **LONG_BACKWARD_TOLERANCE[dtype])
     assert dx.stride() == x.stride()
     split = {"softmax_column_split_kernel", "softmax_backward_column_split_kernel"}
     walked = {"softmax_column_looped_kernel", "softmax_backward_column_looped_kernel"}
