@@ -95,10 +95,12 @@ def _on_16_bytes(t: torch.Tensor) -> bool:
 EVEN_SPILL_ALLOWANCE = 2
 
 
-def needs_narrow_pieces(plan: plans.Plan, registers: int, spills: int, allowance: int = 0) -> bool:
-    """Whether a split of wide pieces compiled to more than REGISTER_BUDGET registers a thread, or spilled more than
-    ``allowance`` registers (as it can with another Triton version, or where no register cap reaches the compiler):
-    then it takes pieces of SEGMENT_ELEMENTS, which fit."""
+def needs_narrow_pieces(plan: plans.Plan, piece: int, registers: int, spills: int) -> bool:
+    """Whether a split of wide pieces, ``piece`` elements of each BLOCK_N, compiled to more than REGISTER_BUDGET
+    registers a thread, or spilled (as it can with another Triton version, or where no register cap reaches the
+    compiler; even pieces, ``piece`` < BLOCK_N, up to EVEN_SPILL_ALLOWANCE registers): then it takes pieces of
+    SEGMENT_ELEMENTS, which fit."""
+    allowance = EVEN_SPILL_ALLOWANCE if piece < plan.block_n else 0
     return plan.block_n == plans.WIDE_SEGMENT_ELEMENTS and (registers > residency.REGISTER_BUDGET or spills > allowance)
 
 
@@ -122,11 +124,11 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
     args = (*operands, exchange.PARTIALS, *ints)
     constexprs = constexprs_for(plan)
     resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device, plan.max_registers)
-    allowance = EVEN_SPILL_ALLOWANCE if constexprs["PIECE"] < plan.block_n else 0
-    if allowance and needs_narrow_pieces(plan, resources.registers, resources.spills, allowance):
-        constexprs, allowance = constexprs_for(plan, even=False), 0  # even pieces over the budget: full ones may fit
+    if constexprs["PIECE"] < plan.block_n and needs_narrow_pieces(plan, constexprs["PIECE"], resources.registers,
+                                                                  resources.spills):
+        constexprs = constexprs_for(plan, even=False)  # even pieces over the budget: full ones may fit
         resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device, plan.max_registers)
-    if needs_narrow_pieces(plan, resources.registers, resources.spills, allowance):
+    if needs_narrow_pieces(plan, constexprs["PIECE"], resources.registers, resources.spills):
         phase = "forward" if kernel is split_rows.softmax_split_kernel else "backward"
         plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
         constexprs = constexprs_for(plan)

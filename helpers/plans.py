@@ -109,7 +109,8 @@ def piece_length(n_cols: int, plan: Plan, align: int, element_size: int) -> int:
     the window in whole 16-byte chunks where the rest would leave more than EVEN_PADDING of the pieces empty."""
     window, pieces = int(n_cols) + align - 1, plan.segments * plan.block_n
     chunk = 16 // element_size
-    if plan.block_n % chunk or pieces - window <= EVEN_PADDING * pieces:
+    assert plan.block_n % chunk == 0, "an even share rounded up to whole chunks must stay within BLOCK_N"
+    if pieces - window <= EVEN_PADDING * pieces:
         return plan.block_n
     return triton.cdiv(triton.cdiv(window, plan.segments), chunk) * chunk
 

@@ -33,8 +33,9 @@ kernels = {name: obj for module in modules
            for name, obj in vars(module).items()
            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
 assert len(kernels) >= 17, sorted(kernels)
+# others: blocks (PIECE under its block: even pieces; LEVELS: the column split's two-level merge)
 CONSTEXPRS = {"ROWS": 4, "SEGMENTS": 5, "SEGMENTS_POW2": 8, "ALIGN": 4, "CHUNKS_POW2": 512, "BLOCK_R": 256,
-              "BLOCK_C": 16, "PIECE": 1000}  # others: blocks (a split's piece shorter than its block: even pieces)
+              "BLOCK_C": 16, "LEVELS": 2, "JOB_COLUMNS": 4, "PIECE": 1000}
 PARTIALS = {"part_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "dot_ptr": "*fp32"}  # fp64's in fp64
 for name, kernel in sorted(kernels.items()):
     # fp64 rows too long for a tile take the two-pass kernels, and fp64 softmax over another dim the rows path
@@ -125,8 +126,8 @@ for phase, kernel in (("forward", split_rows.softmax_split_kernel),
                                       ALIGN=align)
                     compiled, registers, stack = compile_as_launched(kernel, dtype, constexprs, plan.num_warps,
                                                                      max_registers=plan.max_registers)
-                    allowance = fused.EVEN_SPILL_ALLOWANCE if constexprs["PIECE"] < plan.block_n else 0
-                    if not fused.needs_narrow_pieces(plan, registers, stack // 4, allowance):  # 4-byte registers
+                    spills = stack // 4  # 4-byte registers
+                    if not fused.needs_narrow_pieces(plan, constexprs["PIECE"], registers, spills):
                         break
                     if not pieces or pieces[0] == constexprs["PIECE"]:
                         plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
