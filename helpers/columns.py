@@ -38,10 +38,14 @@ MAX_HELD = 1024
 MAX_HELD_BACKWARD = 512
 WARP_BYTES = 8192
 # A longer dim is split: the programs of a column block hold a piece of its rows each and exchange each column's
-# partials, so the data is read once. Pieces of (rows, bytes of columns, warps); the backward's short pieces only while
-# a dim has at most MAX_BACKWARD_PIECES of them (a longer dim's merge of SEGMENTS x BLOCK_C partials would outgrow the
-# registers).
+# partials, so the data is read once. Pieces of (rows, bytes of columns, warps). An fp32 forward takes short pieces of
+# 128-byte runs merged in two levels while a dim has at most MAX_TWO_LEVEL_PIECES of them (held three at a time, a
+# group of more would not fit the GPU together; no 16-bit piece merged in two levels beat FORWARD_PIECE); the
+# backward's short pieces only while a dim has at most MAX_BACKWARD_PIECES of them (its one-level merge of
+# SEGMENTS x BLOCK_C partials would outgrow the registers).
 FORWARD_PIECE = (2048, 32, 16)
+TWO_LEVEL_PIECE = (256, 128, 4)
+MAX_TWO_LEVEL_PIECES = 128
 BACKWARD_PIECE = (128, 128, 4)
 MAX_BACKWARD_PIECES = 64
 LONG_BACKWARD_PIECE = (512, 64, 8)
@@ -62,6 +66,7 @@ class ColumnPlan:
     num_warps: int
     looped: bool = False  # BLOCK_R rows at a time down a longer dim
     segments: int = 1  # programs that share a block of columns, BLOCK_R rows each
+    levels: int = 1  # of a split's merge (``column_split.softmax_column_split_kernel``)
 
 
 WALKED = ColumnPlan(LOOPED_ROWS, LOOPED_COLUMNS, LOOPED_WARPS, looped=True)
@@ -74,10 +79,16 @@ def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int =
     (torch.compile's dynamic shapes) are made concrete, as in ``plans.plan_for``."""
     n_reduced, n_inner = int(n_reduced), int(n_inner)
     if n_reduced > (MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD):
-        rows, run_bytes, warps = FORWARD_PIECE if n_inputs == 1 else BACKWARD_PIECE
-        if n_inputs == 2 and triton.cdiv(n_reduced, rows) > MAX_BACKWARD_PIECES:
-            rows, run_bytes, warps = LONG_BACKWARD_PIECE
-        return ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows))
+        levels = 1
+        if n_inputs == 1:
+            rows, run_bytes, warps = FORWARD_PIECE
+            if element_size == 4 and triton.cdiv(n_reduced, TWO_LEVEL_PIECE[0]) <= MAX_TWO_LEVEL_PIECES:
+                (rows, run_bytes, warps), levels = TWO_LEVEL_PIECE, 2
+        else:
+            rows, run_bytes, warps = BACKWARD_PIECE
+            if triton.cdiv(n_reduced, rows) > MAX_BACKWARD_PIECES:
+                rows, run_bytes, warps = LONG_BACKWARD_PIECE
+        return ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows), levels=levels)
     return _held_plan(n_reduced, n_inner, element_size, n_inputs)
 
 
@@ -203,12 +214,19 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
         ints = (n_groups, n_reduced, n_inner)
         constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
                           BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, PHASE=exchange.FUSED.value)
+        group_slots, interpreted = plan.segments * plan.block_c, (exchange.STATISTICS, exchange.FINISH)
+        if len(inputs) == 1:  # the forward: room for finals; in two levels each program merges JOB_COLUMNS columns
+            constexprs.update(LEVELS=plan.levels,
+                              JOB_COLUMNS=triton.next_power_of_2(triton.cdiv(plan.block_c, plan.segments)))
+            group_slots += plan.block_c
+            if plan.levels == 2:
+                interpreted = (exchange.STATISTICS, exchange.MERGE, exchange.FINISH)
         device = operands[0].device
         if residency.split_grid(plan.segments, n_groups, residency.most_resident(plan.num_warps, device)):
             resources = residency.compiled_resources(split, (*operands, exchange.PARTIALS, *ints), constexprs,
                                                  plan.num_warps, device)
             recipe = exchange.exchange_recipe(split, ints, constexprs, plan.num_warps, plan.segments, n_groups,
-                                           plan.segments * plan.block_c, resources.resident)
+                                              group_slots, resources.resident, interpreted=interpreted)
             if recipe is not None:
                 return recipe
     if plan.segments > 1 and n_reduced > MAX_HELD:

@@ -8,7 +8,8 @@ buffer never needs refilling between calls, and a plain call keeps its own (``re
 for a program the GPU has not started: programs take their place by the order they start (a ticket from one atomic
 counter), not by program id, and a group is launched only where its programs fit on the GPU together, with room to
 spare (``residency.split_grid``). Triton's interpreter runs programs one after another, where a wait would never end,
-so there an exchange runs as two launches: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and finishes.
+so there an exchange runs as a launch per phase: ``PHASE`` 0 writes the partials, ``PHASE`` 1 merges them and
+finishes (a merge in two levels, ``column_split``'s, puts ``PHASE`` 3 between them).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from . import residency
 from .device import INTERPRET
 from .recipes import Buffer, Recipe, Step
 
-# PHASE of a split kernel: partials only, merge-and-finish only, or both in one launch with a wait between.
-STATISTICS, FINISH, FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# PHASE of a split kernel: partials only, merge-and-finish only, or both in one launch with a wait between; and for a
+# merge in two levels (``column_split``), the middle launch that merges the partials into finals.
+STATISTICS, FINISH, FUSED, MERGE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 # A fresh exchange buffer's fill: the ticket counter at -1 (the first ticket is 0), and slots whose tag (bit 31) is 1,
 # not the first call's 0.
 EMPTY = tl.constexpr(-1)
@@ -81,31 +83,32 @@ def stale(words, parity, mask):
 def take_ticket(counter_ptr, PHASE: tl.constexpr):
     """This program's place, 0 to num_programs - 1, in the order programs start, and the parity of its call. The
     counter starts at EMPTY (-1) and counts on from launch to launch: every launch over one exchange buffer has the
-    same grid, so launch k takes tickets k * num_programs to (k + 1) * num_programs - 1. The interpreter's FINISH
-    launch reads the partials of the STATISTICS launch before it: one call, one parity."""
+    same grid, so launch k takes tickets k * num_programs to (k + 1) * num_programs - 1. The interpreter's launches
+    (STATISTICS, then MERGE or FINISH) run one after another, each reading what the one before it wrote in full, so
+    they need no parity to tell calls apart: theirs is 0."""
     ticket = tl.atomic_add(counter_ptr, 1) + 1  # 64-bit, like the counter
-    call = ticket // tl.num_programs(0)
-    if PHASE == FINISH:
-        call -= 1
+    parity = (ticket // tl.num_programs(0)) % 2 if PHASE == FUSED else tl.zeros_like(ticket)
     # 32-bit like a program id: 64-bit index math costs registers
-    return (ticket % tl.num_programs(0)).to(tl.int32), (call % 2).to(tl.int32)
+    return (ticket % tl.num_programs(0)).to(tl.int32), parity.to(tl.int32)
 
 
 PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it is allocated: its dtype
 
 
 def exchange_recipe(kernel, ints: tuple, constexprs: dict, num_warps: int, segments: int, n_groups: int,
-                    group_slots: int, resident: int, max_registers: int | None = None) -> Recipe | None:
+                    group_slots: int, resident: int, max_registers: int | None = None,
+                    interpreted: tuple = (STATISTICS, FINISH)) -> Recipe | None:
     """The launch of a kernel whose groups of ``segments`` programs exchange partials (a split row, or a split block
     of columns), or None if a group's programs cannot be resident together on a GPU that holds ``resident`` of them
     (``split_grid``). Its exchange buffer, ``group_slots`` EMPTY slots per group and the ticket counter after them
-    (also EMPTY, -1), follows the operands in the kernel's arguments. ``max_registers``: the kernel's register cap."""
+    (also EMPTY, -1), follows the operands in the kernel's arguments. ``max_registers``: the kernel's register cap;
+    ``interpreted``: the phases the interpreter launches in turn."""
     grid = residency.split_grid(segments, n_groups, resident)
     if grid == 0:
         return None
-    if INTERPRET:  # programs run one after another, where a wait would never end: two launches instead
+    if INTERPRET:  # programs run one after another, where a wait would never end: a launch per phase instead
         grid = segments * min(n_groups, residency.CPU_PROGRAMS, grid // segments)
-        phases = (STATISTICS, FINISH)
+        phases = interpreted
     else:
         phases = (FUSED,)
     partials = Buffer(n_groups * group_slots + 1, torch.int64, EMPTY.value)

@@ -89,19 +89,25 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
 SHORT_SPLIT = columns.BACKWARD_PIECE[0] * columns.MAX_BACKWARD_PIECES  # the longest backward dim in short pieces
 
 
-@pytest.mark.parametrize("n_inputs, n_reduced, piece", [
-    (1, columns.MAX_HELD + 1, "FORWARD_PIECE"), (1, 32768, "FORWARD_PIECE"), (1, 10**6, "FORWARD_PIECE"),
-    (2, columns.MAX_HELD + 1, "BACKWARD_PIECE"), (2, SHORT_SPLIT, "BACKWARD_PIECE"),
-    (2, SHORT_SPLIT + 1, "LONG_BACKWARD_PIECE"), (2, 32768, "LONG_BACKWARD_PIECE"), (2, 10**6, "LONG_BACKWARD_PIECE"),
+TWO_LEVEL_SPLIT = columns.TWO_LEVEL_PIECE[0] * columns.MAX_TWO_LEVEL_PIECES  # the longest fp32 forward dim in them
+
+
+@pytest.mark.parametrize("n_inputs, n_reduced, element_size, piece", [
+    (1, columns.MAX_HELD + 1, 2, "FORWARD_PIECE"), (1, 32768, 2, "FORWARD_PIECE"), (1, 10**6, 2, "FORWARD_PIECE"),
+    (1, columns.MAX_HELD + 1, 4, "TWO_LEVEL_PIECE"), (1, TWO_LEVEL_SPLIT, 4, "TWO_LEVEL_PIECE"),
+    (1, TWO_LEVEL_SPLIT + 1, 4, "FORWARD_PIECE"), (1, 10**6, 4, "FORWARD_PIECE"),
+    *[(2, n_reduced, element_size, piece) for element_size in (2, 4) for n_reduced, piece in (
+        (columns.MAX_HELD + 1, "BACKWARD_PIECE"), (SHORT_SPLIT, "BACKWARD_PIECE"),
+        (SHORT_SPLIT + 1, "LONG_BACKWARD_PIECE"), (32768, "LONG_BACKWARD_PIECE"), (10**6, "LONG_BACKWARD_PIECE"))],
 ])
-def test_split_plan(n_inputs, n_reduced, piece):
-    """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs: in the backward, short pieces up to
-    MAX_BACKWARD_PIECES of them, long ones past that."""
+def test_split_plan(n_inputs, n_reduced, element_size, piece):
+    """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs: in an fp32 forward, short ones merged in two
+    levels up to MAX_TWO_LEVEL_PIECES of them; in the backward, short ones up to MAX_BACKWARD_PIECES; else long."""
     rows, run_bytes, warps = getattr(columns, piece)
-    for element_size in (2, 4):
-        plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
-        assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
-        assert (plan.segments - 1) * plan.block_r < n_reduced <= plan.segments * plan.block_r and not plan.looped
+    plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
+    assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
+    assert plan.levels == (2 if piece == "TWO_LEVEL_PIECE" else 1)
+    assert (plan.segments - 1) * plan.block_r < n_reduced <= plan.segments * plan.block_r and not plan.looped
 
 
 def launched():
@@ -110,12 +116,18 @@ def launched():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fits", [True, False], ids=["split", "walked"])
-def test_long_dims(monkeypatch, dtype, fits):
+@pytest.mark.parametrize("fits, two_level_bytes, max_two_level_pieces", [
+    (True, 64, 5), (True, 8, 5), (True, 64, 4), (False, 64, 5)], ids=["split", "split-narrow", "split-long", "walked"])
+def test_long_dims(monkeypatch, dtype, fits, two_level_bytes, max_two_level_pieces):
     """A dim too long to hold is split among programs that exchange each column's partials, in pieces of 256 rows
-    here (5 pieces), or walked twice where those programs would not fit the GPU together."""
+    here (5 pieces), or walked twice where those programs would not fit the GPU together. In fp32 the forward's
+    two-level merge gives each of the 5 programs 4 of 16 columns, or 1 of 2 columns to the first two and none to the
+    others; with at most 4 short pieces it takes FORWARD_PIECE (256 rows here too), merged in one level, as 16 bits
+    always do."""
     monkeypatch.setattr(columns, "LOOPED_MIN_PROGRAMS", 1)  # small enough for the interpreter
     monkeypatch.setattr(columns, "FORWARD_PIECE", (256, 64, 4))
+    monkeypatch.setattr(columns, "TWO_LEVEL_PIECE", (256, two_level_bytes, 4))
+    monkeypatch.setattr(columns, "MAX_TWO_LEVEL_PIECES", max_two_level_pieces)
     monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(recipes, "_recipes", {})
     if not fits:
