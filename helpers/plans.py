@@ -30,8 +30,7 @@ class Plan:
 # Shapes read off the tuning sweeps and side-by-side H100 timings: good at every length rather than best at one and
 # poor at the next. The measurements behind each choice: results/README.md, "Why the plan is what it is".
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
-ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 ...
-WIDEST_TILE = 32768  # ... and 32 for a tile this wide
+ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 (a row of 32768: 64 a thread)
 # Rows up to ALWAYS_TILE_ROW take a whole-row tile, rows past MAX_TILE_ROW are split across programs, and between
 # the two it depends (``takes_tile``).
 ALWAYS_TILE_ROW = 16384
@@ -42,7 +41,7 @@ WIDE_SEGMENT_ELEMENTS = 4096  # ... or, in 16 bits and in the fp32 forward, a pi
 
 def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
     """Whether rows of ``n_cols`` take a whole-row tile rather than a split. Between ALWAYS_TILE_ROW and MAX_TILE_ROW
-    a tile of 32 warps wins only where it loads 16 bytes at a time (rows a multiple of 16), holds what it loads
+    a whole-row tile wins only where it loads 16 bytes at a time (rows a multiple of 16), holds what it loads
     without spilling (not the fp32 backward's two rows) and, in a 16-bit forward, fills its block (the H100's
     tuning; tests/test_steps.py checks it against the recorded sweep)."""
     block = triton.next_power_of_2(n_cols)
@@ -61,7 +60,7 @@ def tile_plan(n_cols: int) -> Plan:
     """A tile of whole rows of ``n_cols``: rows until the tile holds TILE_ELEMENTS, warps by its size."""
     block = triton.next_power_of_2(n_cols)
     rows = max(1, TILE_ELEMENTS // block)
-    warps = 32 if rows * block >= WIDEST_TILE else max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
+    warps = max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
     return Plan(rows, block, 1, warps)
 
 

@@ -38,7 +38,7 @@ def softmax_tile_kernel(
 def upcast_again(x):
     """``upcast(x)`` for a use of x after a reduction over it. The compiler merges two upcasts of one value, so a
     16-bit tile or piece would stay live as its fp32 copy, twice the registers, across the reduction: a
-    32768-element row of y and dy then spills even at 32 warps, and a split holds fewer programs. x + 0.0 is a new
+    32768-element row of y and dy then spills, and a split holds fewer programs. x + 0.0 is a new
     value (not folded away: -0.0 + 0.0 is +0.0, the one change it makes), so the data stays 16-bit until this
     upcast."""
     if x.dtype == tl.float16 or x.dtype == tl.bfloat16:
