@@ -40,13 +40,14 @@ WARP_BYTES = 8192
 # A longer dim is split: the programs of a column block hold a piece of its rows each and exchange each column's
 # partials, so the data is read once. Pieces of (rows, bytes of columns, warps). An fp32 forward takes short pieces of
 # 128-byte runs merged in two levels while a dim has at most MAX_TWO_LEVEL_PIECES of them (held three at a time, a
-# group of more would not fit the GPU together; no 16-bit piece merged in two levels beat FORWARD_PIECE); the
-# backward's short pieces only while a dim has at most MAX_BACKWARD_PIECES of them (its one-level merge of
-# SEGMENTS x BLOCK_C partials would outgrow the registers).
+# group of more would not fit the GPU together; no 16-bit piece merged in two levels beat FORWARD_PIECE). The
+# backward takes the first of its pieces of 128-byte runs that cuts the dim into at most MAX_BACKWARD_PIECES (its
+# one-level merge of SEGMENTS x BLOCK_C partials would outgrow the registers), else LONG_BACKWARD_PIECE.
 FORWARD_PIECE = (2048, 32, 16)
 TWO_LEVEL_PIECE = (256, 128, 4)
 MAX_TWO_LEVEL_PIECES = 128
 BACKWARD_PIECE = (128, 128, 4)
+TALL_BACKWARD_PIECE = (256, 128, 8)
 MAX_BACKWARD_PIECES = 64
 LONG_BACKWARD_PIECE = (512, 64, 8)
 # A split whose pieces do not fit the GPU together is walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS
@@ -85,9 +86,9 @@ def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int =
             if element_size == 4 and triton.cdiv(n_reduced, TWO_LEVEL_PIECE[0]) <= MAX_TWO_LEVEL_PIECES:
                 (rows, run_bytes, warps), levels = TWO_LEVEL_PIECE, 2
         else:
-            rows, run_bytes, warps = BACKWARD_PIECE
-            if triton.cdiv(n_reduced, rows) > MAX_BACKWARD_PIECES:
-                rows, run_bytes, warps = LONG_BACKWARD_PIECE
+            rows, run_bytes, warps = next((piece for piece in (BACKWARD_PIECE, TALL_BACKWARD_PIECE)
+                                           if triton.cdiv(n_reduced, piece[0]) <= MAX_BACKWARD_PIECES),
+                                          LONG_BACKWARD_PIECE)
         return ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows), levels=levels)
     return _held_plan(n_reduced, n_inner, element_size, n_inputs)
 

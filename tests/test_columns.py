@@ -87,6 +87,7 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
 
 
 SHORT_SPLIT = columns.BACKWARD_PIECE[0] * columns.MAX_BACKWARD_PIECES  # the longest backward dim in short pieces
+TALL_SPLIT = columns.TALL_BACKWARD_PIECE[0] * columns.MAX_BACKWARD_PIECES  # ... and in tall ones
 
 
 TWO_LEVEL_SPLIT = columns.TWO_LEVEL_PIECE[0] * columns.MAX_TWO_LEVEL_PIECES  # the longest fp32 forward dim in them
@@ -98,11 +99,13 @@ TWO_LEVEL_SPLIT = columns.TWO_LEVEL_PIECE[0] * columns.MAX_TWO_LEVEL_PIECES  # t
     (1, TWO_LEVEL_SPLIT + 1, 4, "FORWARD_PIECE"), (1, 10**6, 4, "FORWARD_PIECE"),
     *[(2, n_reduced, element_size, piece) for element_size in (2, 4) for n_reduced, piece in (
         (columns.MAX_HELD + 1, "BACKWARD_PIECE"), (SHORT_SPLIT, "BACKWARD_PIECE"),
-        (SHORT_SPLIT + 1, "LONG_BACKWARD_PIECE"), (32768, "LONG_BACKWARD_PIECE"), (10**6, "LONG_BACKWARD_PIECE"))],
+        (SHORT_SPLIT + 1, "TALL_BACKWARD_PIECE"), (TALL_SPLIT, "TALL_BACKWARD_PIECE"),
+        (TALL_SPLIT + 1, "LONG_BACKWARD_PIECE"), (32768, "LONG_BACKWARD_PIECE"), (10**6, "LONG_BACKWARD_PIECE"))],
 ])
 def test_split_plan(n_inputs, n_reduced, element_size, piece):
     """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs: in an fp32 forward, short ones merged in two
-    levels up to MAX_TWO_LEVEL_PIECES of them; in the backward, short ones up to MAX_BACKWARD_PIECES; else long."""
+    levels up to MAX_TWO_LEVEL_PIECES of them; in the backward, short ones up to MAX_BACKWARD_PIECES of them, then
+    tall ones up to as many; else long."""
     rows, run_bytes, warps = getattr(columns, piece)
     plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
     assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
