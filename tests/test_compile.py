@@ -171,11 +171,12 @@ for dtype, element_size, n_cols in (("bf16", 2, 32768), ("fp16", 2, 32768), ("fp
 def test_widest_backward_tile_is_planned_only_where_it_does_not_spill():
     """A backward row of 32768 is one whole-row tile in 16 bits and split in fp32 (plan_for), because only the 16-bit
     tile fits in registers: no stack (spilled registers) for it, a stack for fp32's. Without ``upcast_again`` the
-    16-bit tile spills too, and so it does on rows of an odd length (one-element loads), which are split."""
+    16-bit tile spills too. Rows of an odd length, whose tile loads one element at a time, are split as well (slower
+    as a tile in the tuning runs, ``takes_tile``; whether that tile spills depends on the ptxas)."""
     out = compile_in_subprocess(WIDEST_BACKWARD_TILE)
     lines = map(str.split, out.stdout.splitlines())
     compiled = {case: (int(segments), int(stack)) for case, segments, stack in lines}
     assert compiled["bf16-32768"] == compiled["fp16-32768"] == (1, 0), out.stdout
-    for case in ("fp32-32768", "bf16-30001"):
-        segments, stack = compiled[case]
-        assert segments > 1 and stack > 0, out.stdout
+    segments, stack = compiled["fp32-32768"]
+    assert segments > 1 and stack > 0, out.stdout
+    assert compiled["bf16-30001"][0] > 1, out.stdout
