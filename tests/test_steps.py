@@ -17,7 +17,8 @@ def test_each_step_matches_torch(step, n):
     x = torch.randn(3, n, device=helpers.DEVICE) * 4
     y = torch.full_like(x, float("nan"))
     steps.launch_step_forward(step, x, y)
-    torch.testing.assert_close(y, torch.softmax(x, -1))
+    # the reference in fp64: torch's own fp32 softmax errs by up to ~1e-5 on CPU rows of 40000
+    torch.testing.assert_close(y, torch.softmax(x.double(), -1).float())
     y = torch.softmax(x.double(), -1).float()
     dy, dx = torch.randn_like(x), torch.full_like(x, float("nan"))
     steps.launch_step_backward(step, y, dy, dx)
