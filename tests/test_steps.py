@@ -18,8 +18,9 @@ def test_each_step_matches_torch(step, n):
     y = torch.full_like(x, float("nan"))
     steps.launch_step_forward(step, x, y)
     # the reference in fp64: torch's own fp32 softmax errs by up to ~1e-5 on CPU rows of 40000
-    torch.testing.assert_close(y, torch.softmax(x.double(), -1).float())
-    y = torch.softmax(x.double(), -1).float()
+    expected = torch.softmax(x.double(), -1).float()
+    torch.testing.assert_close(y, expected)
+    y = expected
     dy, dx = torch.randn_like(x), torch.full_like(x, float("nan"))
     steps.launch_step_backward(step, y, dy, dx)
     torch.testing.assert_close(dx, helpers.reference.softmax_backward(y, dy))
