@@ -38,17 +38,20 @@ MAX_HELD = 1024
 MAX_HELD_BACKWARD = 512
 WARP_BYTES = 8192
 # A longer dim is split: the programs of a column block hold a piece of its rows each and exchange each column's
-# partials, so the data is read once. Pieces of (rows, bytes of columns, warps). An fp32 forward takes short pieces of
-# 128-byte runs merged in two levels while a dim has at most MAX_TWO_LEVEL_PIECES of them (held three at a time, a
-# group of more would not fit the GPU together; no 16-bit piece merged in two levels beat FORWARD_PIECE). The
-# backward takes the first of its pieces of 128-byte runs that cuts the dim into at most MAX_BACKWARD_PIECES (its
-# one-level merge of SEGMENTS x BLOCK_C partials would outgrow the registers), else LONG_BACKWARD_PIECE.
+# partials, so the data is read once. Pieces of (rows, bytes of columns, warps), tried in turn: a launch takes the
+# first whose group of pieces the GPU holds together (``split_plans``). An fp32 forward takes short pieces of
+# 128-byte runs merged in two levels while a dim has at most MAX_TWO_LEVEL_PIECES of them (held three at a time; no
+# 16-bit piece merged in two levels beat FORWARD_PIECE). The backward takes pieces of 128-byte runs, short ones while a
+# dim has at most MAX_BACKWARD_PIECES of them (their one-level merge of SEGMENTS x BLOCK_C partials would outgrow the
+# registers past that), tall ones up to MAX_TALL_PIECES (as many as an H100 holds at one program an SM), and
+# LONG_BACKWARD_PIECE, of 64-byte runs, where neither fits.
 FORWARD_PIECE = (2048, 32, 16)
 TWO_LEVEL_PIECE = (256, 128, 4)
 MAX_TWO_LEVEL_PIECES = 128
 BACKWARD_PIECE = (128, 128, 4)
-TALL_BACKWARD_PIECE = (256, 128, 8)
 MAX_BACKWARD_PIECES = 64
+TALL_BACKWARD_PIECE = (256, 128, 8)
+MAX_TALL_PIECES = 128
 LONG_BACKWARD_PIECE = (512, 64, 8)
 # A split whose pieces do not fit the GPU together is walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS
 # rows at a time, LOOPED_WARPS warps: 3 transfers for the forward's 2, 5 for the backward's 3. Long dims take the
@@ -58,6 +61,10 @@ LOOPED_COLUMNS = 32
 LOOPED_ROWS = 256
 LOOPED_WARPS = 8
 LOOPED_MIN_PROGRAMS = 128
+# A split that runs fewer than MIN_FILL of the programs the GPU holds (or of its pieces, where there are fewer) gives
+# way to the next plan that fills more: one group of 79 tall pieces leaves 53 of an H100's 132 SMs idle, where long
+# pieces run three groups of 40.
+MIN_FILL = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -76,21 +83,27 @@ WALKED = ColumnPlan(LOOPED_ROWS, LOOPED_COLUMNS, LOOPED_WARPS, looped=True)
 def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int = 1) -> ColumnPlan:
     """The block of a column program for a dim of ``n_reduced`` elements ``n_inner`` apart, reading ``n_inputs``
     tensors (1: forward, 2: backward): held whole up to MAX_HELD (or MAX_HELD_BACKWARD) elements, split among
-    programs past that (walked where the split's programs do not fit the GPU together, ``_recipe``). Symbolic sizes
-    (torch.compile's dynamic shapes) are made concrete, as in ``plans.plan_for``."""
+    programs past that, in the first of ``split_plans`` (on a GPU, the first whose programs fit it together, else
+    walked: ``_recipe``). Symbolic sizes (torch.compile's dynamic shapes) are made concrete, as in
+    ``plans.plan_for``."""
     n_reduced, n_inner = int(n_reduced), int(n_inner)
     if n_reduced > (MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD):
-        levels = 1
-        if n_inputs == 1:
-            rows, run_bytes, warps = FORWARD_PIECE
-            if element_size == 4 and triton.cdiv(n_reduced, TWO_LEVEL_PIECE[0]) <= MAX_TWO_LEVEL_PIECES:
-                (rows, run_bytes, warps), levels = TWO_LEVEL_PIECE, 2
-        else:
-            rows, run_bytes, warps = next((piece for piece in (BACKWARD_PIECE, TALL_BACKWARD_PIECE)
-                                           if triton.cdiv(n_reduced, piece[0]) <= MAX_BACKWARD_PIECES),
-                                          LONG_BACKWARD_PIECE)
-        return ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows), levels=levels)
+        return split_plans(n_reduced, element_size, n_inputs)[0]
     return _held_plan(n_reduced, n_inner, element_size, n_inputs)
+
+
+def split_plans(n_reduced: int, element_size: int, n_inputs: int) -> list[ColumnPlan]:
+    """The plans of a split of a dim of ``n_reduced`` elements, best first: each piece while it cuts the dim into at
+    most its count of pieces, and the last piece of each direction at any length."""
+    if n_inputs == 1:
+        pieces = [(TWO_LEVEL_PIECE, MAX_TWO_LEVEL_PIECES, 2)] if element_size == 4 else []
+        pieces.append((FORWARD_PIECE, None, 1))
+    else:
+        pieces = [(BACKWARD_PIECE, MAX_BACKWARD_PIECES, 1), (TALL_BACKWARD_PIECE, MAX_TALL_PIECES, 1),
+                  (LONG_BACKWARD_PIECE, None, 1)]
+    return [ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows), levels=levels)
+            for (rows, run_bytes, warps), most, levels in pieces
+            if most is None or triton.cdiv(n_reduced, rows) <= most]
 
 
 def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -> ColumnPlan:
@@ -204,32 +217,23 @@ def softmax_backward_column_looped_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_in
 
 def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> recipes.Recipe:
     """The launch of ``kernels`` (held, walked, split) on ``operands`` (output first), as ``column_plan`` says. A split
-    is walked instead where its programs do not fit the GPU together, or a piece spans 2**31 elements (its offsets
-    are 32-bit)."""
+    takes the first of ``split_plans`` whose programs fit the GPU together, whose pieces span under 2**31 elements
+    (their offsets are 32-bit) and which fills at least MIN_FILL of the GPU, else the first that fits; where none
+    fits, the dim is walked (or held, up to MAX_HELD)."""
     held, walked, split = kernels
     n_outer, n_reduced, n_inner = _sizes(operands[0], dim)
     inputs = operands[1:]
-    plan = column_plan(n_reduced, n_inner, max(t.element_size() for t in inputs), len(inputs))
-    if plan.segments > 1 and plan.block_r * n_inner < 2**31:
-        n_groups = n_outer * triton.cdiv(n_inner, plan.block_c)
-        ints = (n_groups, n_reduced, n_inner)
-        constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
-                          BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, PHASE=exchange.FUSED.value)
-        group_slots, interpreted = plan.segments * plan.block_c, (exchange.STATISTICS, exchange.FINISH)
-        if len(inputs) == 1:  # the forward: room for finals; in two levels each program merges JOB_COLUMNS columns
-            constexprs.update(LEVELS=plan.levels,
-                              JOB_COLUMNS=triton.next_power_of_2(triton.cdiv(plan.block_c, plan.segments)))
-            group_slots += plan.block_c
-            if plan.levels == 2:
-                interpreted = (exchange.STATISTICS, exchange.MERGE, exchange.FINISH)
-        device = operands[0].device
-        if residency.split_grid(plan.segments, n_groups, residency.most_resident(plan.num_warps, device)):
-            resources = residency.compiled_resources(split, (*operands, exchange.PARTIALS, *ints), constexprs,
-                                                 plan.num_warps, device)
-            recipe = exchange.exchange_recipe(split, ints, constexprs, plan.num_warps, plan.segments, n_groups,
-                                              group_slots, resources.resident, interpreted=interpreted)
-            if recipe is not None:
-                return recipe
+    element_size = max(t.element_size() for t in inputs)
+    plan = column_plan(n_reduced, n_inner, element_size, len(inputs))
+    if plan.segments > 1:
+        first_fitting = None
+        for candidate in split_plans(n_reduced, element_size, len(inputs)):
+            found = _split_recipe(split, operands, candidate, n_outer, n_reduced, n_inner)
+            if found and found[1] >= MIN_FILL:
+                return found[0]
+            first_fitting = first_fitting or found
+        if first_fitting:
+            return first_fitting[0]
     if plan.segments > 1 and n_reduced > MAX_HELD:
         plan = WALKED
     elif plan.segments > 1:
@@ -239,6 +243,36 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
     return recipes.Recipe((), (recipes.Step(kernel, grid, (n_reduced, n_inner), dict(BLOCK_R=plan.block_r,
                                                                                   BLOCK_C=plan.block_c),
                                         plan.num_warps),))
+
+
+def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n_outer: int, n_reduced: int,
+                  n_inner: int) -> tuple[recipes.Recipe, float] | None:
+    """The launch of the ``split`` kernel in ``plan`` and the share of the GPU it fills (``MIN_FILL``), or None where
+    its programs do not fit the GPU together or a piece spans 2**31 elements."""
+    if plan.block_r * n_inner >= 2**31:
+        return None
+    n_groups = n_outer * triton.cdiv(n_inner, plan.block_c)
+    ints = (n_groups, n_reduced, n_inner)
+    constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
+                      BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, PHASE=exchange.FUSED.value)
+    group_slots, interpreted = plan.segments * plan.block_c, (exchange.STATISTICS, exchange.FINISH)
+    if len(operands) == 2:  # the forward: room for finals; in two levels each program merges JOB_COLUMNS columns
+        constexprs.update(LEVELS=plan.levels,
+                          JOB_COLUMNS=triton.next_power_of_2(triton.cdiv(plan.block_c, plan.segments)))
+        group_slots += plan.block_c
+        if plan.levels == 2:
+            interpreted = (exchange.STATISTICS, exchange.MERGE, exchange.FINISH)
+    device = operands[0].device
+    if not residency.split_grid(plan.segments, n_groups, residency.most_resident(plan.num_warps, device)):
+        return None  # more pieces than the GPU could ever hold: no need to compile the split to know
+    resources = residency.compiled_resources(split, (*operands, exchange.PARTIALS, *ints), constexprs, plan.num_warps,
+                                             device)
+    recipe = exchange.exchange_recipe(split, ints, constexprs, plan.num_warps, plan.segments, n_groups, group_slots,
+                                      resources, interpreted=interpreted)
+    if recipe is None:
+        return None
+    running = residency.split_grid(plan.segments, n_groups, resources.resident, resources.assured)
+    return recipe, running / min(resources.resident, plan.segments * n_groups)
 
 
 def forward_recipe(y: torch.Tensor, x: torch.Tensor, dim: int) -> recipes.Recipe:

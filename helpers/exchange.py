@@ -96,14 +96,14 @@ PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it i
 
 
 def exchange_recipe(kernel, ints: tuple, constexprs: dict, num_warps: int, segments: int, n_groups: int,
-                    group_slots: int, resident: int, max_registers: int | None = None,
+                    group_slots: int, resources: residency.Resources, max_registers: int | None = None,
                     interpreted: tuple = (STATISTICS, FINISH)) -> Recipe | None:
     """The launch of a kernel whose groups of ``segments`` programs exchange partials (a split row, or a split block
-    of columns), or None if a group's programs cannot be resident together on a GPU that holds ``resident`` of them
-    (``split_grid``). Its exchange buffer, ``group_slots`` EMPTY slots per group and the ticket counter after them
-    (also EMPTY, -1), follows the operands in the kernel's arguments. ``max_registers``: the kernel's register cap;
-    ``interpreted``: the phases the interpreter launches in turn."""
-    grid = residency.split_grid(segments, n_groups, resident)
+    of columns), or None if a group's programs cannot be resident together, as the compiled kernel's ``resources``
+    count them (``split_grid``). Its exchange buffer, ``group_slots`` EMPTY slots per group and the ticket counter
+    after them (also EMPTY, -1), follows the operands in the kernel's arguments. ``max_registers``: the kernel's
+    register cap; ``interpreted``: the phases the interpreter launches in turn."""
+    grid = residency.split_grid(segments, n_groups, resources.resident, resources.assured)
     if grid == 0:
         return None
     if INTERPRET:  # programs run one after another, where a wait would never end: a launch per phase instead

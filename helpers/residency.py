@@ -33,11 +33,14 @@ def resident_programs(compiled, num_warps: int, device: int) -> int:
 
 @dataclass(frozen=True)
 class Resources:
-    """What a compiled kernel takes: registers per thread, spilled registers, and programs resident on the GPU."""
+    """What a compiled kernel takes: registers per thread, spilled registers, programs resident on the GPU, and of
+    those the programs it would hold whatever registers a build of the kernel took (``assured_resident``; 0 under the
+    interpreter, where only ``resident`` counts)."""
 
     registers: int
     spills: int
     resident: int
+    assured: int = 0
 
 
 CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every kernel's loop runs several times
@@ -45,6 +48,10 @@ CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every ker
 # kernels as a small GPU would
 CPU_RESIDENT_PROGRAMS = 64
 REGISTER_BUDGET = 128  # per thread: 16 one-warp programs (8 two-warp ones) fit an SM's 65536 registers
+# An SM's registers (65536 on every NVIDIA GPU since compute capability 3.0), and the most a thread can take (255),
+# as they are allocated (a warp's in units of 256): at that most an SM still holds 8 warps.
+REGISTERS_PER_SM = 65536
+MOST_REGISTERS = 256
 _resources_cache: dict[tuple, Resources] = {}
 
 
@@ -68,8 +75,20 @@ def compiled_resources(kernel, args, constexprs, num_warps: int, device: torch.d
     if key not in _resources_cache:
         compiled = kernel.warmup(*signature, **constexprs, grid=(1,), **compile_options(num_warps, max_registers))
         resident = resident_programs(compiled, num_warps, device.index or 0)
-        _resources_cache[key] = Resources(compiled.n_regs, compiled.n_spills, resident)
+        assured = min(resident, assured_resident(num_warps, device))
+        _resources_cache[key] = Resources(compiled.n_regs, compiled.n_spills, resident, assured)
     return _resources_cache[key]
+
+
+def assured_resident(num_warps: int, device: torch.device) -> int:
+    """The programs of ``num_warps`` warps the GPU holds at once however many registers a build of them takes: an SM
+    holds 8 warps at a thread's most registers (a program of more warps gets fewer a thread, and one still fits), and
+    no more threads than it can run. On an H100, 132 programs of 8 warps, 264 of 4. (``compiled_resources`` keeps
+    the least of this and the compiled kernel's own count, which also counts its shared memory.)"""
+    properties = torch.cuda.get_device_properties(device)
+    by_registers = max(1, REGISTERS_PER_SM // (32 * num_warps * MOST_REGISTERS))
+    by_threads = properties.max_threads_per_multi_processor // (32 * num_warps)
+    return properties.multi_processor_count * min(by_registers, by_threads)
 
 
 def most_resident(num_warps: int, device: torch.device) -> int:
@@ -86,12 +105,14 @@ def most_resident(num_warps: int, device: torch.device) -> int:
 RESIDENCY_MARGIN = 2
 
 
-def split_grid(segments: int, n_rows: int, resident: int) -> int:
+def split_grid(segments: int, n_rows: int, resident: int, assured: int = 0) -> int:
     """Programs to launch for a split of ``segments`` programs per row on a GPU that holds ``resident`` of them at once:
-    whole groups of a row's programs, at most one group per row and no more than the GPU holds. 0 when a group does
-    not fit RESIDENCY_MARGIN times over: those rows take the two-pass kernels. A wait is then always for a program that
-    is running or can start (programs take their place in start order, ``take_ticket``)."""
-    if segments * RESIDENCY_MARGIN > resident:
+    whole groups of a row's programs, at most one group per row and no more than the GPU holds. 0 when a group fits
+    neither RESIDENCY_MARGIN times over nor within the ``assured`` programs the GPU holds whatever the build's
+    registers (``assured_resident``): those rows take the two-pass kernels. A wait is then always for a program that
+    is running or can start (programs take their place in start order, ``take_ticket``, so the first to start form
+    whole groups, which finish and make room for the rest)."""
+    if segments > max(resident // RESIDENCY_MARGIN, assured):
         return 0
     return segments * min(n_rows, resident // segments)
 

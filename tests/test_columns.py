@@ -1,9 +1,11 @@
 """Softmax over a dim that is not the last, in place (helpers.columns): which calls take it, torch's values and
 layout, and the plan's limits."""
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, DTYPES, TOLERANCE, randn, torch_backward
+from conftest import BACKWARD_TOLERANCE, DTYPES, ON_GPU, TOLERANCE, randn, run_with_timeout, torch_backward
 
 import helpers
 from helpers import columns, recipes, residency
@@ -87,7 +89,7 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
 
 
 SHORT_SPLIT = columns.BACKWARD_PIECE[0] * columns.MAX_BACKWARD_PIECES  # the longest backward dim in short pieces
-TALL_SPLIT = columns.TALL_BACKWARD_PIECE[0] * columns.MAX_BACKWARD_PIECES  # ... and in tall ones
+TALL_SPLIT = columns.TALL_BACKWARD_PIECE[0] * columns.MAX_TALL_PIECES  # ... and in tall ones
 
 
 TWO_LEVEL_SPLIT = columns.TWO_LEVEL_PIECE[0] * columns.MAX_TWO_LEVEL_PIECES  # the longest fp32 forward dim in them
@@ -99,18 +101,42 @@ TWO_LEVEL_SPLIT = columns.TWO_LEVEL_PIECE[0] * columns.MAX_TWO_LEVEL_PIECES  # t
     (1, TWO_LEVEL_SPLIT + 1, 4, "FORWARD_PIECE"), (1, 10**6, 4, "FORWARD_PIECE"),
     *[(2, n_reduced, element_size, piece) for element_size in (2, 4) for n_reduced, piece in (
         (columns.MAX_HELD + 1, "BACKWARD_PIECE"), (SHORT_SPLIT, "BACKWARD_PIECE"),
-        (SHORT_SPLIT + 1, "TALL_BACKWARD_PIECE"), (TALL_SPLIT, "TALL_BACKWARD_PIECE"),
-        (TALL_SPLIT + 1, "LONG_BACKWARD_PIECE"), (32768, "LONG_BACKWARD_PIECE"), (10**6, "LONG_BACKWARD_PIECE"))],
+        (SHORT_SPLIT + 1, "TALL_BACKWARD_PIECE"), (32768, "TALL_BACKWARD_PIECE"), (TALL_SPLIT, "TALL_BACKWARD_PIECE"),
+        (TALL_SPLIT + 1, "LONG_BACKWARD_PIECE"), (10**6, "LONG_BACKWARD_PIECE"))],
 ])
 def test_split_plan(n_inputs, n_reduced, element_size, piece):
     """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs: in an fp32 forward, short ones merged in two
     levels up to MAX_TWO_LEVEL_PIECES of them; in the backward, short ones up to MAX_BACKWARD_PIECES of them, then
-    tall ones up to as many; else long."""
+    tall ones up to MAX_TALL_PIECES; else long. The pieces after the first are the launch's fallbacks, in order,
+    ending with one for any length."""
     rows, run_bytes, warps = getattr(columns, piece)
     plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
     assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
     assert plan.levels == (2 if piece == "TWO_LEVEL_PIECE" else 1)
     assert (plan.segments - 1) * plan.block_r < n_reduced <= plan.segments * plan.block_r and not plan.looped
+    plans = columns.split_plans(n_reduced, element_size, n_inputs)
+    last = columns.FORWARD_PIECE if n_inputs == 1 else columns.LONG_BACKWARD_PIECE
+    assert plans[0] == plan and (plans[-1].block_r, plans[-1].num_warps) == (last[0], last[2])
+    assert [p.block_r for p in plans] == sorted(p.block_r for p in plans)  # taller pieces, fewer of them, as they go
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_takes_the_first_plan_that_fits(monkeypatch, dtype):
+    """Where the first plan's group of pieces does not fit the GPU together, the split takes the next: here short
+    pieces of 64 rows (9 of them, more than this GPU holds), then tall ones of 256 (3)."""
+    monkeypatch.setattr(columns, "BACKWARD_PIECE", (64, 64, 4))
+    monkeypatch.setattr(columns, "TALL_BACKWARD_PIECE", (256, 64, 4))
+    monkeypatch.setattr(recipes, "_recipes", {})
+    split_grid = residency.split_grid
+    monkeypatch.setattr(residency, "split_grid", lambda segments, *args: split_grid(segments, *args) * (segments <= 4))
+    x = randn(2, columns.MAX_HELD_BACKWARD + 1, 40, dtype=dtype)
+    y = torch.softmax(x.float(), 1).to(dtype)
+    dy = randn(*x.shape, dtype=dtype, scale=1.0)
+    torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
+                               equal_nan=True, **LONG_BACKWARD_TOLERANCE[dtype])
+    (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1]]
+    assert step.kernel.fn.__name__ == "softmax_backward_column_split_kernel"
+    assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"]) == (256, 3)
 
 
 def launched():
@@ -165,3 +191,54 @@ def test_backward_held_where_its_split_does_not_fit(monkeypatch, fits):
                                **BACKWARD_TOLERANCE[torch.float32])
     backward = "softmax_backward_column_split_kernel" if fits else "softmax_backward_column_kernel"
     assert launched() == {"softmax_column_kernel", backward}
+
+
+def test_split_that_leaves_the_gpu_idle_gives_way(monkeypatch):
+    """On a GPU that holds 20 programs whatever their registers, 13 short pieces of 40 rows fit, but as one group
+    that runs 13 of the 20 (under MIN_FILL): the split takes the next plan, 5 tall pieces of 128 rows, 4 groups."""
+    monkeypatch.setattr(columns, "BACKWARD_PIECE", (40, 64, 4))
+    monkeypatch.setattr(columns, "TALL_BACKWARD_PIECE", (128, 64, 4))
+    monkeypatch.setattr(recipes, "_recipes", {})
+    resources = residency.compiled_resources
+    monkeypatch.setattr(residency, "compiled_resources",
+                        lambda *args: dataclasses.replace(resources(*args), resident=20, assured=20))
+    monkeypatch.setattr(residency, "most_resident", lambda *args: 64)  # by threads alone
+    x = randn(2, columns.MAX_HELD_BACKWARD + 1, 40)
+    y = torch.softmax(x, 1)
+    dy = randn(*x.shape, scale=1.0)
+    torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
+                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+    (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1]]
+    assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"]) == (128, 5)
+
+
+# A GPU subprocess: the backward over dim 0 of a (32768, 4096) fp32 tensor, against torch. On a GPU of at least 128
+# SMs it takes 128 tall pieces on 8 warps, a group that fits the GPU only once over, at one program an SM, which the
+# GPU holds whatever registers a build takes (``residency.assured_resident``); on a smaller one, the long pieces.
+GPU_TALL_PIECES = r"""
+import torch
+import helpers
+from helpers import columns, recipes, residency
+
+x = torch.randn(32768, 4096, device="cuda") * 4
+y, dy = torch.softmax(x, 0), torch.randn_like(x)
+expected = torch._softmax_backward_data(dy.double(), y.double(), 0, torch.float64)
+for call in range(3):
+    torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), expected, atol=1e-8, rtol=1e-4)
+(step,) = [recipe.steps[0] for recipe in recipes._recipes.values()]
+assert step.kernel is columns.softmax_backward_column_split_kernel, step.kernel
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+piece = columns.TALL_BACKWARD_PIECE if sms >= 128 else columns.LONG_BACKWARD_PIECE
+assert (step.constexprs["BLOCK_R"], step.num_warps) == (piece[0], piece[2]), step
+assert step.grid == step.constexprs["SEGMENTS"] * (sms // step.constexprs["SEGMENTS"]), step.grid
+if sms >= 128:
+    (resources,) = residency._resources_cache.values()
+    assert resources.registers > 128 and resources.resident == resources.assured == sms, resources
+    assert resources.spills == 0, resources  # 128 partials a column merged in registers
+print("ok", sms, step.constexprs["SEGMENTS"], flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the split's programs wait for each other only there")
+def test_tall_backward_pieces_on_the_gpu():
+    assert run_with_timeout(GPU_TALL_PIECES).startswith("ok")

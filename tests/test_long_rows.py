@@ -35,13 +35,22 @@ def test_split_waits_only_for_resident_programs(resident, phase, element_size):
                 assert grid // plan.segments <= n_rows
 
 
+def test_split_fits_what_the_gpu_holds_whatever_the_registers():
+    """A group that fits the GPU only once over still launches where the GPU holds that many programs whatever
+    registers a build of them takes (``assured``): 128 pieces on a GPU of 132 programs of 8 warps, one an SM."""
+    assert residency.split_grid(128, 5, 132) == 0
+    assert residency.split_grid(128, 5, 132, assured=132) == 128
+    assert residency.split_grid(133, 5, 140, assured=132) == 0
+    assert residency.split_grid(64, 5, 132, assured=132) == 128  # two groups, as the margin alone allows
+
+
 @pytest.fixture
 def small_gpu(monkeypatch, looped, request):
     """A GPU (or the interpreter) that holds ``request.param`` programs, with splits of 16-element pieces and two-pass
     blocks of 16 fp32 elements, at most 4 chunks a row: launches are recorded as (kernel name, grid, SEGMENTS)."""
     resources = residency.compiled_resources
-    monkeypatch.setattr(residency, "compiled_resources", lambda *args: dataclasses.replace(resources(*args),
-                                                                                     resident=request.param))
+    monkeypatch.setattr(residency, "compiled_resources", lambda *args: dataclasses.replace(
+        resources(*args), resident=request.param, assured=0))
     monkeypatch.setattr(two_pass, "TWO_PASS_BLOCK_BYTES", 64)
     monkeypatch.setattr(two_pass, "MAX_CHUNKS", 4)
     launches = []
@@ -284,7 +293,7 @@ def test_few_rows_take_small_pieces(monkeypatch, resident, pieces, phase):
     fp32 backward always keeps the default plan."""
     resources = residency.compiled_resources
     monkeypatch.setattr(residency, "compiled_resources",
-                        lambda *args: dataclasses.replace(resources(*args), resident=resident))
+                        lambda *args: dataclasses.replace(resources(*args), resident=resident, assured=0))
     monkeypatch.setattr(residency, "most_resident", lambda *args: resident)
     monkeypatch.setattr(recipes, "_recipes", {})
     x = randn(1, 40000, dtype=torch.bfloat16)
