@@ -68,7 +68,7 @@ def softmax_column_split_kernel(y_ptr, x_ptr, part_ptr, n_groups, n_reduced, n_i
     partials, holding two. Each wait has had an iteration to fill. The interpreter launches STATISTICS, MERGE (two
     levels) and FINISH in turn."""
     finals_ptr = part_ptr + n_groups * SEGMENTS * BLOCK_C
-    program, parity = take_ticket(finals_ptr + n_groups * BLOCK_C, PHASE)
+    program, parity, _ = take_ticket(finals_ptr + n_groups * BLOCK_C, PHASE)
     segment = program % SEGMENTS
     first, n_walkers = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     columns = tl.arange(0, BLOCK_C)
@@ -145,7 +145,7 @@ def softmax_backward_column_split_kernel(dx_ptr, y_ptr, dy_ptr, part_ptr, n_grou
     """Backward of ``softmax_column_split_kernel``, merged in one level: the programs of a column block exchange each
     column's part of sum(y * dy), and each program reads all SEGMENTS x BLOCK_C of its group's, one group behind
     (holding two pieces of y and dy where the forward's pipeline would hold three: that measured slower)."""
-    program, parity = take_ticket(part_ptr + n_groups * SEGMENTS * BLOCK_C, PHASE)
+    program, parity, _ = take_ticket(part_ptr + n_groups * SEGMENTS * BLOCK_C, PHASE)
     segment = program % SEGMENTS
     first, n_walkers = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
     columns = tl.arange(0, BLOCK_C)

@@ -94,7 +94,9 @@ def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int =
 
 def split_plans(n_reduced: int, element_size: int, n_inputs: int) -> list[ColumnPlan]:
     """The plans of a split of a dim of ``n_reduced`` elements, best first: each piece while it cuts the dim into at
-    most its count of pieces, and the last piece of each direction at any length."""
+    most its count of pieces, and the last piece of each direction at any length. A symbolic size is made concrete,
+    as in ``column_plan``."""
+    n_reduced = int(n_reduced)
     if n_inputs == 1:
         pieces = [(TWO_LEVEL_PIECE, MAX_TWO_LEVEL_PIECES, 2)] if element_size == 4 else []
         pieces.append((FORWARD_PIECE, None, 1))

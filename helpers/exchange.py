@@ -81,15 +81,16 @@ def stale(words, parity, mask):
 
 @triton.jit
 def take_ticket(counter_ptr, PHASE: tl.constexpr):
-    """This program's place, 0 to num_programs - 1, in the order programs start, and the parity of its call. The
-    counter starts at EMPTY (-1) and counts on from launch to launch: every launch over one exchange buffer has the
-    same grid, so launch k takes tickets k * num_programs to (k + 1) * num_programs - 1. The interpreter's launches
-    (STATISTICS, then MERGE or FINISH) run one after another, each reading what the one before it wrote in full, so
-    they need no parity to tell calls apart: theirs is 0."""
+    """This program's place, 0 to num_programs - 1, in the order programs start, the parity of its call, and the
+    number k of its launch on this exchange buffer. The counter starts at EMPTY (-1) and counts on from launch to
+    launch: every launch over one exchange buffer has the same grid, so launch k takes tickets k * num_programs to
+    (k + 1) * num_programs - 1. The interpreter's launches (STATISTICS, then MERGE or FINISH) run one after another,
+    each reading what the one before it wrote in full, so they need no parity to tell calls apart: theirs is 0."""
     ticket = tl.atomic_add(counter_ptr, 1) + 1  # 64-bit, like the counter
-    parity = (ticket // tl.num_programs(0)) % 2 if PHASE == FUSED else tl.zeros_like(ticket)
+    launch = ticket // tl.num_programs(0)
+    parity = launch % 2 if PHASE == FUSED else tl.zeros_like(ticket)
     # 32-bit like a program id: 64-bit index math costs registers
-    return (ticket % tl.num_programs(0)).to(tl.int32), parity.to(tl.int32)
+    return (ticket % tl.num_programs(0)).to(tl.int32), parity.to(tl.int32), launch
 
 
 PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it is allocated: its dtype
@@ -97,12 +98,13 @@ PARTIALS = torch.int64  # a split's exchange buffer in its arguments before it i
 
 def exchange_recipe(kernel, ints: tuple, constexprs: dict, num_warps: int, segments: int, n_groups: int,
                     group_slots: int, resources: residency.Resources, max_registers: int | None = None,
-                    interpreted: tuple = (STATISTICS, FINISH)) -> Recipe | None:
+                    interpreted: tuple = (STATISTICS, FINISH), counters: int = 0) -> Recipe | None:
     """The launch of a kernel whose groups of ``segments`` programs exchange partials (a split row, or a split block
     of columns), or None if a group's programs cannot be resident together, as the compiled kernel's ``resources``
-    count them (``split_grid``). Its exchange buffer, ``group_slots`` EMPTY slots per group and the ticket counter
-    after them (also EMPTY, -1), follows the operands in the kernel's arguments. ``max_registers``: the kernel's
-    register cap; ``interpreted``: the phases the interpreter launches in turn."""
+    count them (``split_grid``). Its exchange buffer, ``group_slots`` EMPTY slots per group, the ticket counter after
+    them and ``counters`` more counters after that (a split row's, ``split_rows.claim_row``), all EMPTY (-1), follows
+    the operands in the kernel's arguments. ``max_registers``: the kernel's register cap; ``interpreted``: the phases
+    the interpreter launches in turn."""
     grid = residency.split_grid(segments, n_groups, resources.resident, resources.assured)
     if grid == 0:
         return None
@@ -111,7 +113,7 @@ def exchange_recipe(kernel, ints: tuple, constexprs: dict, num_warps: int, segme
         phases = interpreted
     else:
         phases = (FUSED,)
-    partials = Buffer(n_groups * group_slots + 1, torch.int64, EMPTY.value)
+    partials = Buffer(n_groups * group_slots + 1 + counters, torch.int64, EMPTY.value)
     # PHASE as a plain int: torch.compile writes the launch out as Python source
     return Recipe((partials,), tuple(Step(kernel, grid, ints, dict(constexprs, PHASE=phase.value), num_warps,
                                           max_registers) for phase in phases))

@@ -134,4 +134,4 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
         constexprs = constexprs_for(plan)
         resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device)
     return exchange.exchange_recipe(kernel, ints, constexprs, plan.num_warps, plan.segments, n_rows, plan.segments,
-                                    resources, plan.max_registers)
+                                    resources, plan.max_registers, counters=plan.segments)

@@ -1,6 +1,7 @@
 """Split rows (notebook 06): a row too long for one program is cut into ``SEGMENTS`` pieces held by as many programs,
 which exchange their partials (``exchange``), so each piece is read once and stays in registers until it is written.
-Pieces sit on 16-byte boundaries even where rows do not (``row_window``)."""
+Pieces sit on 16-byte boundaries even where rows do not (``row_window``), and programs take rows as they come for
+them (``claim_row``)."""
 
 import triton
 import triton.language as tl
@@ -78,6 +79,18 @@ def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values
 
 
 @triton.jit
+def claim_row(counter_ptr, first_claim, n_rows, claiming):
+    """The next row a program of a split takes. Each segment of the rows (the programs holding piece s of a row) has
+    its own counter, which hands its rows out in order, one to each program that asks: a program that is done early
+    takes the next row instead of waiting for its turn, so no program idles while others finish their share. The
+    counter counts on from launch to launch: each launch takes n_rows + P numbers from it, P the segment's programs
+    (every one asks once past the last row, and stops), so launch k's rows start at ``first_claim`` = k * (n_rows +
+    P). A program that has stopped (not ``claiming``) asks nothing and gets n_rows."""
+    claimed = tl.atomic_add(counter_ptr, 1, mask=claiming, sem="relaxed") + 1
+    return tl.where(claiming, claimed - first_claim, n_rows).to(tl.int32)
+
+
+@triton.jit
 def finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, parity, x, x_edge,
                          SEGMENTS: tl.constexpr, ALIGN: tl.constexpr, PIECE: tl.constexpr):
     """y for one piece of ``row``, kept as loaded: merge the row's (m, d) partials, then y = exp(x - m) / d."""
@@ -97,29 +110,36 @@ def softmax_split_kernel(
     SEGMENTS: tl.constexpr, SEGMENTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
     PIECE: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Forward for long rows: SEGMENTS consecutive programs share each row, a piece of PIECE elements each in BLOCK_N
-    lanes (``plans.piece_length``), and merge their (m, d) (notebook 05's merge) through ``part_ptr``: one packed word
-    per piece, tagged with the call's parity, and one ticket counter after the last row's. Groups of SEGMENTS programs
-    walk the rows grid-stride. ALIGN > 1 places the pieces on 16-byte boundaries (``row_window``; it needs unit column
-    strides and equal row strides).
+    """Forward for long rows: SEGMENTS programs share each row, a piece of PIECE elements each in BLOCK_N lanes
+    (``plans.piece_length``), and merge their (m, d) (notebook 05's merge) through ``part_ptr``: one packed word per
+    piece, tagged with the call's parity, then the ticket counter and a row counter per segment (``claim_row``).
+    ALIGN > 1 places the pieces on 16-byte boundaries (``row_window``; it needs unit column strides and equal row
+    strides).
 
     Each piece stays in registers as loaded, and finishing computes exp(x - m) again with the row's m: a second
     exponential per element costs less than keeping e = exp(x - m_piece), fp32 and twice the registers of a 16-bit
-    piece, for which fewer programs fit on the GPU (notebook 06). In one launch (PHASE 2) a program publishes row r,
-    then finishes row r - 1 of its group, whose partials have had a whole iteration to arrive.
+    piece, for which fewer programs fit on the GPU (notebook 06). In one launch (PHASE 2) a program publishes its row,
+    then finishes the row it published before, whose partials have had a whole iteration to arrive. No wait is for a
+    row that cannot come: a program waits only on a row it has published itself, and each segment hands its rows out
+    in order, so the lowest row waited on is taken, in every segment, by programs that wait on nothing lower (while
+    every segment has a program on the GPU: ``residency.split_grid``).
     """
     tl.static_assert(x_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
-    program, parity = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
+    program, parity, launch = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
-    group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    counter = part_ptr + n_rows * SEGMENTS + 1 + segment
+    first_claim = launch * (n_rows + tl.num_programs(0) // SEGMENTS)
     piece = segment * PIECE + tl.arange(0, BLOCK_N)  # positions in the row (columns when ALIGN = 1)
     parts = tl.arange(0, SEGMENTS_POW2)
     x_prev = tl.zeros((BLOCK_N,), x_ptr.dtype.element_ty)
     x_edge_prev = tl.zeros((2 * ALIGN,), x_ptr.dtype.element_ty)
-    # one iteration past the group's last row, so that in PHASE 2 the last row is finished too
-    for row_index in range(group, n_rows + n_groups, n_groups):
-        row = tl.cast(row_index, tl.int64)  # 64-bit offsets: row * stride can pass 2**31
-        valid = row < n_rows
+    previous = tl.full((), -1, tl.int32)  # the row published one iteration ago: none yet
+    next_row = claim_row(counter, first_claim, n_rows, previous < 0)
+    # one iteration past the program's last row, so that in PHASE 2 its last row is finished too
+    while previous < n_rows:
+        valid = next_row < n_rows
+        row = next_row.to(tl.int64)  # 64-bit offsets: row * stride can pass 2**31
+        next_row = claim_row(counter, first_claim, n_rows, valid)  # asked now: answered by the next iteration
         # the piece's elements, and in the row's first program the end chunks' elements too: the partial covers both
         x, x_edge = load_window(x_ptr, row, x_row_stride, x_col_stride, n_cols, valid, segment, piece, float("-inf"),
                                 ALIGN, PIECE)
@@ -131,13 +151,13 @@ def softmax_split_kernel(
                  + tl.sum(tl.exp2((upcast_again(x_edge) - m_finite) * LOG2E), axis=0))
             tl.store(part_ptr + row * SEGMENTS + segment, pack(m, d, parity), mask=valid)
         if PHASE == FUSED:
-            finish_forward_piece(y_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
-                                 y_row_stride, n_cols, segment, piece, parts, parity, x_prev, x_edge_prev, SEGMENTS,
-                                 ALIGN, PIECE)
+            finish_forward_piece(y_ptr, part_ptr, tl.maximum(previous, 0).to(tl.int64), previous >= 0, y_row_stride,
+                                 n_cols, segment, piece, parts, parity, x_prev, x_edge_prev, SEGMENTS, ALIGN, PIECE)
             x_prev, x_edge_prev = x, x_edge
         elif PHASE == FINISH:
             finish_forward_piece(y_ptr, part_ptr, row, valid, y_row_stride, n_cols, segment, piece, parts, parity, x,
                                  x_edge, SEGMENTS, ALIGN, PIECE)
+        previous = row.to(tl.int32)
 
 
 @triton.jit
@@ -159,21 +179,25 @@ def softmax_backward_split_kernel(
     PIECE: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
-    with a 0 that carries the tag), with the forward's row window and one-row-behind pipeline;
-    pieces of y and dy stay as loaded until dx."""
+    with a 0 that carries the tag), with the forward's row window, row counters and one-row-behind pipeline; pieces
+    of y and dy stay as loaded until dx."""
     tl.static_assert(y_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
-    program, parity = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
+    program, parity, launch = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
-    group, n_groups = program // SEGMENTS, tl.num_programs(0) // SEGMENTS
+    counter = part_ptr + n_rows * SEGMENTS + 1 + segment
+    first_claim = launch * (n_rows + tl.num_programs(0) // SEGMENTS)
     piece = segment * PIECE + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
     y_prev = tl.zeros((BLOCK_N,), y_ptr.dtype.element_ty)
     dy_prev = tl.zeros((BLOCK_N,), dy_ptr.dtype.element_ty)
     y_edge_prev = tl.zeros((2 * ALIGN,), y_ptr.dtype.element_ty)
     dy_edge_prev = tl.zeros((2 * ALIGN,), dy_ptr.dtype.element_ty)
-    for row_index in range(group, n_rows + n_groups, n_groups):
-        row = tl.cast(row_index, tl.int64)
-        valid = row < n_rows
+    previous = tl.full((), -1, tl.int32)
+    next_row = claim_row(counter, first_claim, n_rows, previous < 0)
+    while previous < n_rows:
+        valid = next_row < n_rows
+        row = next_row.to(tl.int64)
+        next_row = claim_row(counter, first_claim, n_rows, valid)
         y, y_edge = load_window(y_ptr, row, y_row_stride, y_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN,
                                 PIECE)
         dy, dy_edge = load_window(dy_ptr, row, dy_row_stride, dy_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN,
@@ -184,10 +208,12 @@ def softmax_backward_split_kernel(
             tl.store(part_ptr + row * SEGMENTS + segment, pack(dot_piece, tl.zeros_like(dot_piece), parity),
                      mask=valid)
         if PHASE == FUSED:
-            finish_backward_piece(dx_ptr, part_ptr, tl.maximum(row - n_groups, 0), row >= group + n_groups,
-                                  dx_row_stride, n_cols, segment, piece, parts, parity, y_prev, dy_prev, y_edge_prev,
-                                  dy_edge_prev, SEGMENTS, ALIGN, PIECE)
+            finish_backward_piece(dx_ptr, part_ptr, tl.maximum(previous, 0).to(tl.int64), previous >= 0, dx_row_stride,
+                                  n_cols,
+                                  segment, piece, parts, parity, y_prev, dy_prev, y_edge_prev, dy_edge_prev, SEGMENTS,
+                                  ALIGN, PIECE)
             y_prev, dy_prev, y_edge_prev, dy_edge_prev = y, dy, y_edge, dy_edge
         elif PHASE == FINISH:
             finish_backward_piece(dx_ptr, part_ptr, row, valid, dx_row_stride, n_cols, segment, piece, parts, parity, y,
                                   dy, y_edge, dy_edge, SEGMENTS, ALIGN, PIECE)
+        previous = row.to(tl.int32)

@@ -194,14 +194,14 @@ def test_backward_held_where_its_split_does_not_fit(monkeypatch, fits):
 
 
 def test_split_that_leaves_the_gpu_idle_gives_way(monkeypatch):
-    """On a GPU that holds 20 programs whatever their registers, 13 short pieces of 40 rows fit, but as one group
-    that runs 13 of the 20 (under MIN_FILL): the split takes the next plan, 5 tall pieces of 128 rows, 4 groups."""
-    monkeypatch.setattr(columns, "BACKWARD_PIECE", (40, 64, 4))
+    """On a GPU that holds 32 programs whatever their registers, 17 short pieces of 32 rows fit, but as one group
+    that runs 17 of the 32 (under MIN_FILL): the split takes the next plan, 5 tall pieces of 128 rows, 6 groups."""
+    monkeypatch.setattr(columns, "BACKWARD_PIECE", (32, 64, 4))
     monkeypatch.setattr(columns, "TALL_BACKWARD_PIECE", (128, 64, 4))
     monkeypatch.setattr(recipes, "_recipes", {})
     resources = residency.compiled_resources
     monkeypatch.setattr(residency, "compiled_resources",
-                        lambda *args: dataclasses.replace(resources(*args), resident=20, assured=20))
+                        lambda *args: dataclasses.replace(resources(*args), resident=32, assured=32))
     monkeypatch.setattr(residency, "most_resident", lambda *args: 64)  # by threads alone
     x = randn(2, columns.MAX_HELD_BACKWARD + 1, 40)
     y = torch.softmax(x, 1)
@@ -224,7 +224,7 @@ x = torch.randn(32768, 4096, device="cuda") * 4
 y, dy = torch.softmax(x, 0), torch.randn_like(x)
 expected = torch._softmax_backward_data(dy.double(), y.double(), 0, torch.float64)
 for call in range(3):
-    torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), expected, atol=1e-8, rtol=1e-4)
+    torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), expected, atol=1e-6, rtol=1e-4)
 (step,) = [recipe.steps[0] for recipe in recipes._recipes.values()]
 assert step.kernel is columns.softmax_backward_column_split_kernel, step.kernel
 sms = torch.cuda.get_device_properties(0).multi_processor_count
