@@ -41,16 +41,14 @@ WIDE_SEGMENT_ELEMENTS = 4096  # ... or, in 16 bits and in the fp32 forward, a pi
 
 def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
     """Whether rows of ``n_cols`` take a whole-row tile rather than a split. Between ALWAYS_TILE_ROW and MAX_TILE_ROW
-    a whole-row tile wins only where it loads 16 bytes at a time (rows a multiple of 16), holds what it loads
-    without spilling (not the fp32 backward's two rows) and, in a 16-bit forward, fills its block (the H100's
-    tuning; tests/test_steps.py checks it against the recorded sweep)."""
+    a whole-row tile wins only where it loads 16 bytes at a time (rows a multiple of 16) and holds what it loads
+    without spilling (not the fp32 backward's two rows), and never in a 16-bit forward, whose split is ahead even of
+    a full tile (the H100's tuning; tests/test_steps.py checks it against the recorded sweeps)."""
     block = triton.next_power_of_2(n_cols)
     if block <= ALWAYS_TILE_ROW:
         return True
-    if block > MAX_TILE_ROW:
+    if block > MAX_TILE_ROW or (phase == "forward" and element_size == 2):
         return False
-    if phase == "forward" and element_size == 2:
-        return n_cols == block
     if phase == "backward" and element_size > 2:
         return False
     return n_cols % 16 == 0
