@@ -31,11 +31,12 @@ def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: plans.Plan | None) ->
     few = plan is None and x.dtype != torch.float64 and plans.few_rows_plan(n_rows, n_cols, "forward", x.element_size())
     if few and (recipe := _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, few)) is not None:
         return recipe  # else its pieces do not fit the GPU together: the default plan's may
+    planned = plan is None
     plan = plan or plans.plan_for(n_cols, "forward", x.element_size())
     if plan.segments == 1:
         return _tile_recipe(tiles.softmax_tile_kernel, (y, x), ints, plan)
     if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
-        recipe = _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, plan)
+        recipe = _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, plan, planned)
         if recipe is not None:
             return recipe
     return two_pass.two_pass_recipe(two_pass.softmax_two_pass_kernel, (y, x), ints[:3], n_rows, n_cols, partials=2)
@@ -48,11 +49,12 @@ def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: p
            and plans.few_rows_plan(n_rows, n_cols, "backward", y.element_size()))
     if few and (recipe := _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, few)) is not None:
         return recipe
+    planned = plan is None
     plan = plan or plans.plan_for(n_cols, "backward", y.element_size())
     if plan.segments == 1:
         return _tile_recipe(tiles.softmax_backward_tile_kernel, (dx, y, dy), ints, plan)
     if torch.float64 not in (y.dtype, dy.dtype):
-        recipe = _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, plan)
+        recipe = _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, plan, planned)
         if recipe is not None:
             return recipe
     return two_pass.two_pass_recipe(two_pass.softmax_backward_two_pass_kernel, (dx, y, dy), ints[:5], n_rows, n_cols,
@@ -93,45 +95,72 @@ def _on_16_bytes(t: torch.Tensor) -> bool:
 # Even pieces (``plans.piece_length``) that spill this many registers still beat full ones: bf16 rows of 32784 and
 # 36880 spill two under the 16-bit forward's cap and run 0.020-0.024 of copy faster (results/README.md, "Even pieces").
 EVEN_SPILL_ALLOWANCE = 2
+# A split whose groups leave more than 1 - ROW_FILL of the programs the GPU holds idle while rows wait takes narrower
+# pieces, if theirs fill it better: fp32 backward rows of 151936 in pieces of 4096 run 6 groups of 38 programs where
+# the H100 holds 264 (0.964 of copy), in pieces of 2048 8 groups of 75 of 660 (0.988; results/README.md, "Wider
+# pieces").
+ROW_FILL = 0.9
 
 
 def needs_narrow_pieces(plan: plans.Plan, piece: int, registers: int, spills: int) -> bool:
-    """Whether a split of wide pieces, ``piece`` elements of each BLOCK_N, compiled to more than REGISTER_BUDGET
-    registers a thread, or spilled (as it can with another Triton version, or where no register cap reaches the
-    compiler; even pieces, ``piece`` < BLOCK_N, up to EVEN_SPILL_ALLOWANCE registers): then it takes pieces of
-    SEGMENT_ELEMENTS, which fit."""
+    """Whether a split of wider pieces than SEGMENT_ELEMENTS, ``piece`` elements of each BLOCK_N, compiled to more
+    than REGISTER_BUDGET registers a thread, or spilled (as it can with another Triton version, or where no register
+    cap reaches the compiler; even pieces, ``piece`` < BLOCK_N, up to EVEN_SPILL_ALLOWANCE registers): then it takes
+    narrower pieces (``plans.narrower``)."""
     allowance = EVEN_SPILL_ALLOWANCE if piece < plan.block_n else 0
-    return plan.block_n == plans.WIDE_SEGMENT_ELEMENTS and (registers > residency.REGISTER_BUDGET or spills > allowance)
+    return plan.block_n > plans.SEGMENT_ELEMENTS and (registers > residency.REGISTER_BUDGET or spills > allowance)
 
 
-def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: plans.Plan) -> recipes.Recipe | None:
-    """A split, if a row's programs can be resident together (``exchange_recipe``); None if not."""
+def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: plans.Plan,
+                  planned: bool = False) -> recipes.Recipe | None:
+    """A split, if a row's programs can be resident together (``exchange_recipe``); None if not. Pieces that compile
+    over the register budget give way to narrower ones (``needs_narrow_pieces``), and where ``planned`` (``plan`` is
+    ``plan_for``'s), so do pieces whose groups leave part of the GPU idle (``ROW_FILL``): of those tried, the launch
+    takes the one that fills the GPU best, the widest of equals."""
     n_rows, n_cols = ints[-2:]
     device = operands[0].device
     align = _align(plan, *operands)
-    if not recipes.plain(operands):  # traced: torch.compile's Inductor builds the kernel without Triton's maxnreg
-        plan = dataclasses.replace(plan, max_registers=None)
-
     element_size = operands[1].element_size()
+    phase = "forward" if kernel is split_rows.softmax_split_kernel else "backward"
+    args = (*operands, exchange.PARTIALS, *ints)
 
     def constexprs_for(plan, even=True):
         piece = plans.piece_length(n_cols, plan, align, element_size) if even else plan.block_n
         return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
                     ALIGN=align, PIECE=piece, PHASE=exchange.FUSED.value)
 
-    if residency.split_grid(plan.segments, n_rows, residency.most_resident(plan.num_warps, device)) == 0:
-        return None  # more pieces than the GPU could ever hold: no need to compile the split to know
-    args = (*operands, exchange.PARTIALS, *ints)
-    constexprs = constexprs_for(plan)
-    resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device, plan.max_registers)
-    if constexprs["PIECE"] < plan.block_n and needs_narrow_pieces(plan, constexprs["PIECE"], resources.registers,
-                                                                  resources.spills):
-        constexprs = constexprs_for(plan, even=False)  # even pieces over the budget: full ones may fit
-        resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device, plan.max_registers)
-    if needs_narrow_pieces(plan, constexprs["PIECE"], resources.registers, resources.spills):
-        phase = "forward" if kernel is split_rows.softmax_split_kernel else "backward"
-        plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
+    def compiled(plan):
+        """The plan's constexprs and resources, even pieces over the budget replaced by full ones; None if they too
+        need narrower pieces."""
+        if not recipes.plain(operands):  # traced: torch.compile's Inductor builds the kernel without Triton's maxnreg
+            plan = dataclasses.replace(plan, max_registers=None)
         constexprs = constexprs_for(plan)
-        resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device)
+        resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device, plan.max_registers)
+        if constexprs["PIECE"] < plan.block_n and needs_narrow_pieces(plan, constexprs["PIECE"], resources.registers,
+                                                                      resources.spills):
+            constexprs = constexprs_for(plan, even=False)  # even pieces over the budget: full ones may fit
+            resources = residency.compiled_resources(kernel, args, constexprs, plan.num_warps, device,
+                                                     plan.max_registers)
+        if needs_narrow_pieces(plan, constexprs["PIECE"], resources.registers, resources.spills):
+            return None
+        return plan, constexprs, resources
+
+    tried = []  # (fill, plan, constexprs, resources) of each plan whose groups fit the GPU
+    while plan is not None:
+        if residency.split_grid(plan.segments, n_rows, residency.most_resident(plan.num_warps, device)) == 0:
+            break  # more pieces than the GPU could ever hold (narrower pieces: more still): no need to compile
+        built = compiled(plan)
+        if built is not None:
+            plan, constexprs, resources = built
+            grid = residency.split_grid(plan.segments, n_rows, resources.resident, resources.assured)
+            fill = grid / max(min(resources.resident, n_rows * plan.segments), 1)  # all rows at once: full
+            if grid:
+                tried.append((fill, plan, constexprs, resources))
+            if fill >= ROW_FILL or not planned:
+                break
+        plan = plans.narrower(plan, n_cols, phase, element_size) if planned or built is None else None
+    if not tried:
+        return None
+    _, plan, constexprs, resources = max(tried, key=lambda choice: choice[0])  # the first of equals: the widest
     return exchange.exchange_recipe(kernel, ints, constexprs, plan.num_warps, plan.segments, n_rows, plan.segments,
                                     resources, plan.max_registers, counters=plan.segments)

@@ -35,8 +35,9 @@ ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 1
 # the two it depends (``takes_tile``).
 ALWAYS_TILE_ROW = 16384
 MAX_TILE_ROW = 32768
-SEGMENT_ELEMENTS = 2048  # the piece of a long row each program of a split holds ...
-WIDE_SEGMENT_ELEMENTS = 4096  # ... or, in 16 bits and in the fp32 forward, a piece twice as wide (``plan_for``)
+SEGMENT_ELEMENTS = 2048  # the narrowest piece of a long row each program of a split holds ...
+WIDE_SEGMENT_ELEMENTS = 4096  # ... a piece twice as wide ...
+WIDEST_SEGMENT_ELEMENTS = 8192  # ... and twice again (``plan_for`` says which rows take which)
 
 
 def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
@@ -62,10 +63,25 @@ def tile_plan(n_cols: int) -> Plan:
     return Plan(rows, block, 1, warps)
 
 
-def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool = True) -> Plan:
-    """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``. ``wide_pieces=False``:
-    splits keep pieces of SEGMENT_ELEMENTS (the launch falls back to them where a compiler gives the wide piece more
-    registers than REGISTER_BUDGET).
+def widest_piece(n_cols: int, phase: str, element_size: int, align: int) -> int:
+    """The widest piece a split of rows of ``n_cols`` takes. Rows from MAX_TILE_ROW on: 16-bit pieces of
+    WIDEST_SEGMENT_ELEMENTS where those come out full (``full_pieces``; else WIDE_SEGMENT_ELEMENTS), fp32 pieces of
+    WIDE_SEGMENT_ELEMENTS. Shorter split rows: 16-bit forward pieces of WIDE_SEGMENT_ELEMENTS, the rest
+    SEGMENT_ELEMENTS. 16-bit pieces are kept as loaded (half the registers of fp32), so they take twice the
+    elements of fp32 for the same bytes a program holds."""
+    if n_cols >= MAX_TILE_ROW:
+        if element_size == 2:
+            full = full_pieces(n_cols + align - 1, WIDEST_SEGMENT_ELEMENTS)
+            return WIDEST_SEGMENT_ELEMENTS if full else WIDE_SEGMENT_ELEMENTS
+        return WIDE_SEGMENT_ELEMENTS if element_size == 4 else SEGMENT_ELEMENTS
+    return WIDE_SEGMENT_ELEMENTS if phase == "forward" and element_size == 2 else SEGMENT_ELEMENTS
+
+
+def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | None = None) -> Plan:
+    """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``: a whole-row tile, or a
+    split into pieces of ``widest_piece`` elements, or of at most ``max_piece`` (the launch takes narrower pieces where
+    a compiler gives the wider ones more registers than REGISTER_BUDGET, or where their groups leave part of the GPU
+    idle: ``fused``'s ``ROW_FILL``).
 
     The shape is compiled into the kernel, so a symbolic row length (torch.compile's dynamic shapes) is made concrete
     here: the compiled graph is then specialised to it."""
@@ -75,23 +91,26 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, wide_pieces: bool =
     # Rows of a length that is not a multiple of 16 start off 16-byte boundaries; aligned pieces (a window up to
     # align - 1 elements wider than the row, ``split_rows.row_window``) load 16 bytes at a time again (notebook 06).
     align = 16 // element_size if n_cols % 16 else 1
-    # Wide pieces: 16-bit pieces are kept as loaded (half the registers of fp32), so 16-bit rows take twice the
-    # elements, the same bytes per program as fp32: every 16-bit forward split, under a cap of REGISTER_BUDGET
-    # registers (left to itself the compiler takes 136-155 and fewer programs fit), and the backward's longest rows;
-    # and the fp32 forward past MAX_TILE_ROW, on 4 warps.
-    if element_size == 2:
-        wide = wide_pieces and (phase == "forward" or n_cols >= 32 * WIDE_SEGMENT_ELEMENTS)
-    else:
-        wide = wide_pieces and element_size == 4 and phase == "forward" and n_cols > MAX_TILE_ROW
-    block_n = WIDE_SEGMENT_ELEMENTS if wide else SEGMENT_ELEMENTS
+    block_n = widest_piece(n_cols, phase, element_size, align)
+    block_n = min(block_n, max(max_piece or block_n, SEGMENT_ELEMENTS))
     segments = triton.cdiv(n_cols + align - 1, block_n)
-    # Warps: few per piece keep many pieces resident; the fp32 forward's narrow pieces need 4 once a row has 32.
-    if phase == "forward":
-        warps = (2 if wide else 1) if element_size == 2 else (4 if wide or segments >= 32 else 2)
+    # Warps: a forward warp for each 4 KB of its piece, a backward warp for each 2 KB of each of y and dy; few per
+    # piece keep many pieces resident. The fp32 forward's narrow pieces take 2, and 4 once a row has 32.
+    if phase == "forward" and element_size == 4 and block_n == SEGMENT_ELEMENTS:
+        warps = 4 if segments >= 32 else 2
     else:
-        warps = 2 if element_size == 2 and not wide else 4
-    cap = REGISTER_BUDGET if wide and element_size == 2 and phase == "forward" else None
+        warps = max(1, block_n * element_size // (4096 if phase == "forward" else 2048))
+    # The 16-bit forward's wide pieces under a cap of REGISTER_BUDGET registers: left to itself the compiler takes
+    # 136-155 for a piece of 4096 and fewer programs fit.
+    cap = REGISTER_BUDGET if block_n > SEGMENT_ELEMENTS and element_size == 2 and phase == "forward" else None
     return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap)
+
+
+def narrower(plan: Plan, n_cols: int, phase: str, element_size: int) -> Plan | None:
+    """The split of rows of ``n_cols`` in pieces half as wide as ``plan``'s, None if its pieces are the narrowest."""
+    if plan.block_n <= SEGMENT_ELEMENTS:
+        return None
+    return plan_for(n_cols, phase, element_size, max_piece=plan.block_n // 2)
 
 
 # A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
@@ -104,12 +123,19 @@ def piece_length(n_cols: int, plan: Plan, align: int, element_size: int) -> int:
     """The elements of a row each program of ``plan``'s split holds, of a row window of ``n_cols`` + ``align`` - 1
     positions (``split_rows.row_window``): ``plan.block_n``, the last program taking the rest, or an even share of
     the window in whole 16-byte chunks where the rest would leave more than EVEN_PADDING of the pieces empty."""
-    window, pieces = int(n_cols) + align - 1, plan.segments * plan.block_n
+    window = int(n_cols) + align - 1
     chunk = 16 // element_size
     assert plan.block_n % chunk == 0, "an even share rounded up to whole chunks must stay within BLOCK_N"
-    if pieces - window <= EVEN_PADDING * pieces:
+    if full_pieces(window, plan.block_n):
         return plan.block_n
     return triton.cdiv(triton.cdiv(window, plan.segments), chunk) * chunk
+
+
+def full_pieces(window: int, block_n: int) -> bool:
+    """Whether a row window of ``window`` positions cut into pieces of ``block_n`` leaves at most EVEN_PADDING of its
+    pieces' positions empty (``piece_length``)."""
+    pieces = triton.cdiv(window, block_n) * block_n
+    return pieces - window <= EVEN_PADDING * pieces
 
 
 # Few rows over a long row (sampling and decode: a handful of rows over a vocabulary) leave the default plan few

@@ -54,13 +54,15 @@ def poisoned_outputs(monkeypatch):
 @pytest.fixture
 def looped(monkeypatch):
     """Send every row of more than 16 elements down the long-row paths (looped teaching kernels, split fused
-    kernels), in pieces of 16 (32 where ``plan_for`` takes wide pieces), so odd row lengths span several pieces."""
+    kernels), in pieces of 16 (32 or 64 where ``plan_for`` takes wider pieces), so odd row lengths span several
+    pieces."""
     monkeypatch.setattr(helpers.kernels, "ROW_BLOCK_LIMIT", 16)
     monkeypatch.setattr(helpers.kernels, "LOOP_BLOCK_SIZE", 16)
     monkeypatch.setattr(helpers.plans, "ALWAYS_TILE_ROW", 8)
     monkeypatch.setattr(helpers.plans, "MAX_TILE_ROW", 16)
     monkeypatch.setattr(helpers.plans, "SEGMENT_ELEMENTS", 16)
     monkeypatch.setattr(helpers.plans, "WIDE_SEGMENT_ELEMENTS", 32)
+    monkeypatch.setattr(helpers.plans, "WIDEST_SEGMENT_ELEMENTS", 64)
     monkeypatch.setattr(helpers.recipes, "_recipes", {})  # launches planned with the sizes above stay in this test
 
 

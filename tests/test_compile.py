@@ -114,7 +114,7 @@ SPLIT_KERNELS = AS_LAUNCHED_ON_H100 + r"""
 for phase, kernel in (("forward", split_rows.softmax_split_kernel),
                       ("backward", split_rows.softmax_backward_split_kernel)):
     for dtype, element_size in (("bf16", 2), ("fp32", 4)):
-        for n_cols in (50257, 131083):  # odd row strides; 16-bit forward pieces of 4096, backward ones past 131072
+        for n_cols in (50257, 131083):  # odd row strides, where 16-bit pieces of 8192 would not come out full
             for align in (1, plans.plan_for(n_cols, phase, element_size).align):
                 plan = plans.plan_for(n_cols, phase, element_size)
                 # the launcher's rule: even pieces over the register budget fall back to full ones, wide pieces to
@@ -130,7 +130,7 @@ for phase, kernel in (("forward", split_rows.softmax_split_kernel),
                     if not fused.needs_narrow_pieces(plan, constexprs["PIECE"], registers, spills):
                         break
                     if not pieces or pieces[0] == constexprs["PIECE"]:
-                        plan = plans.plan_for(n_cols, phase, element_size, wide_pieces=False)
+                        plan = plans.narrower(plan, n_cols, phase, element_size)
                         pieces = [plans.piece_length(n_cols, plan, align, element_size)]
                 wide_loads = len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4", compiled.asm["ptx"]))
                 print(phase, dtype, n_cols, plan.block_n, constexprs["PIECE"], align, registers, stack, wide_loads)
@@ -142,7 +142,7 @@ def test_split_kernels_compile_to_wide_loads_within_registers():
     instruction (ALIGN = 1: none do), and the pieces the launcher runs stay within 128 registers a thread without
     spilling, so 16 one-warp programs (8 two-warp, 4 four-warp ones) fit an SM: the split kernels' speed rests on
     both. Register allocation changes between Triton versions, so the launcher reads the compiled kernel's registers
-    and gives wide pieces (4096: 16-bit rows and the fp32 forward) over the budget narrow ones (2048); this test
+    and gives pieces wider than 2048 over the budget narrower ones (``plans.narrower``; unaligned: all); this test
     applies the same rule, and the plan's register cap (the 16-bit forward's), to the compiler it runs with, after
     even pieces over the budget fall back to full ones. 16-bit pieces fit only because they stay 16-bit until used
     (``upcast_again``; an fp32 copy takes 145-210 registers)."""

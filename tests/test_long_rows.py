@@ -200,7 +200,7 @@ for case in sys.argv[1:]:
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the split kernels wait for each other only there")
 def test_every_call_of_a_split_with_copies_of_its_slots():
     """``read_partials`` under Triton 3.9 once merged a copy of a slot still EMPTY in most calls of these shapes."""
-    cases = ["float32x64x131072", "bfloat16x64x151936", "bfloat16x3x262144"]
+    cases = ["float32x64x151936", "float32x64x262144", "bfloat16x16x524288"]
     stdout = run_with_timeout(GPU_REPEATED_SPLITS, *cases)
     assert stdout.count(" ok") == len(cases), stdout
 
@@ -311,7 +311,8 @@ def test_few_rows_take_small_pieces(monkeypatch, resident, pieces, phase):
 
 
 # A GPU subprocess: 16-bit forward splits of several lengths against torch, then the plain calls' launches: every one
-# a piece of 4096 under the register cap, and every split kernel compiled within it, without spills.
+# a wide piece (4096, or 8192 where those come out full) under the register cap, and every split kernel compiled
+# within it, without spills.
 GPU_CAPPED_PIECES = r"""
 import torch
 import helpers
@@ -324,17 +325,17 @@ for dtype in (torch.bfloat16, torch.float16):
         torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
 steps = [step for recipe in recipes._recipes.values() for step in recipe.steps
          if step.kernel is split_rows.softmax_split_kernel]
-assert len(steps) == 6 and all(step.max_registers == residency.REGISTER_BUDGET
-                               and step.constexprs["BLOCK_N"] == plans.WIDE_SEGMENT_ELEMENTS for step in steps), steps
+assert len(steps) == 6 and all(step.max_registers == residency.REGISTER_BUDGET for step in steps), steps
+assert {step.constexprs["BLOCK_N"] for step in steps} == {plans.WIDE_SEGMENT_ELEMENTS, plans.WIDEST_SEGMENT_ELEMENTS}
 compiled = [r for r in residency.spill_report() if r["kernel"] == "softmax_split_kernel"]
-assert compiled and all(r["num_warps"] == 2 and r["n_regs"] <= residency.REGISTER_BUDGET and r["n_spills"] == 0
-                        for r in compiled), compiled  # 2 warps: pieces of 4096 (narrow ones take 1)
+assert compiled and all(r["num_warps"] in (2, 4) and r["n_regs"] <= residency.REGISTER_BUDGET and r["n_spills"] == 0
+                        for r in compiled), compiled  # 2 or 4 warps: pieces of 4096 or 8192 (narrow ones take 1)
 print(len(compiled), "ok")
 """
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the register cap is a compiler option")
 def test_16_bit_forward_pieces_run_under_the_register_cap():
-    """The 16-bit forward's pieces of 4096 take 136-155 registers uncapped under Triton 3.6, so fewer programs fit;
+    """The 16-bit forward's wide pieces take 136-155 registers uncapped under Triton 3.6, so fewer programs fit;
     ``plan_for`` caps them at REGISTER_BUDGET, which the launches and the residency count must both carry."""
     assert run_with_timeout(GPU_CAPPED_PIECES).endswith(" ok\n")
