@@ -104,11 +104,12 @@ ROW_FILL = 0.9
 
 def needs_narrow_pieces(plan: plans.Plan, piece: int, registers: int, spills: int) -> bool:
     """Whether a split of wider pieces than SEGMENT_ELEMENTS, ``piece`` elements of each BLOCK_N, compiled to more
-    than REGISTER_BUDGET registers a thread, or spilled (as it can with another Triton version, or where no register
-    cap reaches the compiler; even pieces, ``piece`` < BLOCK_N, up to EVEN_SPILL_ALLOWANCE registers): then it takes
-    narrower pieces (``plans.narrower``)."""
+    registers a thread than its plan's cap (else REGISTER_BUDGET), or spilled (as it can with another Triton version,
+    or where no register cap reaches the compiler; even pieces, ``piece`` < BLOCK_N, up to EVEN_SPILL_ALLOWANCE
+    registers): then it takes narrower pieces (``plans.narrower``)."""
     allowance = EVEN_SPILL_ALLOWANCE if piece < plan.block_n else 0
-    return plan.block_n > plans.SEGMENT_ELEMENTS and (registers > residency.REGISTER_BUDGET or spills > allowance)
+    budget = plan.max_registers or residency.REGISTER_BUDGET
+    return plan.block_n > plans.SEGMENT_ELEMENTS and (registers > budget or spills > allowance)
 
 
 def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: plans.Plan,

@@ -38,6 +38,11 @@ MAX_TILE_ROW = 32768
 SEGMENT_ELEMENTS = 2048  # the narrowest piece of a long row each program of a split holds ...
 WIDE_SEGMENT_ELEMENTS = 4096  # ... a piece twice as wide ...
 WIDEST_SEGMENT_ELEMENTS = 8192  # ... and twice again (``plan_for`` says which rows take which)
+# The fp32 backward's wide pieces (4096 each of y and dy, held one row behind) take about 160 registers a thread on 4
+# warps. Capped at this, three programs fit an SM's 65536: 396 on an H100, which rows of 38 pieces (151936) fill with
+# 10 groups, where pieces on 8 warps fit 6 groups and leave an eighth of the GPU idle (results/README.md, "Wider
+# pieces").
+WIDE_BACKWARD_REGISTERS = 168
 
 
 def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
@@ -80,8 +85,8 @@ def widest_piece(n_cols: int, phase: str, element_size: int, align: int) -> int:
 def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | None = None) -> Plan:
     """The kernel shape for rows of ``n_cols`` elements of ``element_size`` bytes in ``phase``: a whole-row tile, or a
     split into pieces of ``widest_piece`` elements, or of at most ``max_piece`` (the launch takes narrower pieces where
-    a compiler gives the wider ones more registers than REGISTER_BUDGET, or where their groups leave part of the GPU
-    idle: ``fused``'s ``ROW_FILL``).
+    a compiler gives the wider ones more registers than their cap or REGISTER_BUDGET, or where their groups leave part
+    of the GPU idle: ``fused``'s ``ROW_FILL``).
 
     The shape is compiled into the kernel, so a symbolic row length (torch.compile's dynamic shapes) is made concrete
     here: the compiled graph is then specialised to it."""
@@ -95,14 +100,22 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | No
     block_n = min(block_n, max(max_piece or block_n, SEGMENT_ELEMENTS))
     segments = triton.cdiv(n_cols + align - 1, block_n)
     # Warps: a forward warp for each 4 KB of its piece, a backward warp for each 2 KB of each of y and dy; few per
-    # piece keep many pieces resident. The fp32 forward's narrow pieces take 2, and 4 once a row has 32.
-    if phase == "forward" and element_size == 4 and block_n == SEGMENT_ELEMENTS:
+    # piece keep many pieces resident. The fp32 forward's narrow pieces take 2, and 4 once a row has 32; the fp32
+    # backward's wide ones 4, under WIDE_BACKWARD_REGISTERS.
+    wide = block_n > SEGMENT_ELEMENTS
+    if phase == "forward" and element_size == 4 and not wide:
         warps = 4 if segments >= 32 else 2
+    elif phase == "backward" and element_size == 4 and wide:
+        warps = 4
     else:
         warps = max(1, block_n * element_size // (4096 if phase == "forward" else 2048))
     # The 16-bit forward's wide pieces under a cap of REGISTER_BUDGET registers: left to itself the compiler takes
     # 136-155 for a piece of 4096 and fewer programs fit.
-    cap = REGISTER_BUDGET if block_n > SEGMENT_ELEMENTS and element_size == 2 and phase == "forward" else None
+    cap = None
+    if wide and element_size == 2 and phase == "forward":
+        cap = REGISTER_BUDGET
+    elif wide and element_size == 4 and phase == "backward":
+        cap = WIDE_BACKWARD_REGISTERS
     return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap)
 
 
