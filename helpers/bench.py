@@ -59,6 +59,39 @@ def gbps(n_bytes: int, ms: float) -> float:
     return n_bytes / ms / 1e6
 
 
+def expected_output(phase: str, x: torch.Tensor, y: torch.Tensor | None = None, dy: torch.Tensor | None = None,
+                    dim: int = -1) -> torch.Tensor:
+    """What a timed call must return, by torch in fp32: softmax(x) forward, the backward's dx from y and dy."""
+    if phase == "forward":
+        return torch.softmax(x.float(), dim)
+    y, dy = y.float(), dy.float()
+    return y * (dy - (y * dy).sum(dim, keepdim=True))
+
+
+# A sweep times only calls that compute softmax: an output further from ``expected_output`` than this, as a fraction of
+# its largest value, by element size, is reported and not timed (QuACK 0.6.5's 16-bit forward returns NaN for every
+# element of rows of 151936: results/README.md, "Peers checked").
+OUTPUT_TOLERANCE = {2: 2e-2, 4: 1e-4, 8: 1e-4}
+
+
+def wrong_output(output: torch.Tensor | tuple, expected: torch.Tensor) -> str | None:
+    """Why ``output`` (or a tuple's first item, as Liger's forward returns) is not ``expected``; None if it is."""
+    output = output[0] if isinstance(output, tuple) else output
+    error = ((output.float() - expected).abs().max() / expected.abs().max()).item()
+    if error <= OUTPUT_TOLERANCE[output.element_size()]:  # False for NaN
+        return None
+    return f"off by {error:.2g} of its largest value"
+
+
+def checked_ms(fn: Callable[[], object], expected: torch.Tensor, label: str) -> float | None:
+    """``time_ms(fn)`` if ``fn`` returns ``expected`` (``wrong_output``), else None, with ``label`` and the reason
+    printed."""
+    if (problem := wrong_output(fn(), expected)) is not None:
+        print(f"{label}: wrong output ({problem}), not timed")
+        return None
+    return time_ms(fn)
+
+
 def copy_gbps(n_elements: int, dtype: torch.dtype) -> float:
     """The ceiling: a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.randn(n_elements, device=DEVICE).to(dtype)
@@ -136,7 +169,12 @@ def forward_impls() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]
     def kernel_impl(kernel):
         def make(x):
             y = torch.empty_like(x)
-            return lambda: kernels.launch_forward(x, y, kernel)
+
+            def run():
+                kernels.launch_forward(x, y, kernel)
+                return y
+
+            return run
 
         return make
 
@@ -154,13 +192,23 @@ def backward_impls() -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Te
     def kernel_impl(kernel):
         def make(x, y, dy):
             dx = torch.empty_like(y)
-            return lambda: kernels.launch_backward(y, dy, dx, kernel)
+
+            def run():
+                kernels.launch_backward(y, dy, dx, kernel)
+                return dx
+
+            return run
 
         return make
 
     def graph(x, y, dy):
         dx = torch.empty_like(x)
-        return lambda: kernels.launch_graph_backward(x, dy, dx)
+
+        def run():
+            kernels.launch_graph_backward(x, dy, dx)
+            return dx
+
+        return run
 
     return {
         "torch": lambda x, y, dy: lambda: torch._softmax_backward_data(dy, y, -1, y.dtype),
@@ -185,7 +233,8 @@ def sweep(
     peers: bool = False,
 ) -> list[Result]:
     """Time every implementation on M x N inputs with M = total_elements // N (fresh random data), plus the copy.
-    ``peers``: the course's public ops against torch, torch.compile and Liger instead of the teaching kernels."""
+    ``peers``: the course's public ops against torch, torch.compile, Liger and QuACK instead of the teaching kernels.
+    An implementation whose output is wrong is reported and not timed (``checked_ms``)."""
     from tqdm.auto import tqdm
 
     gpu, date = gpu_name(), datetime.date.today().isoformat()
@@ -202,17 +251,20 @@ def sweep(
         else:
             y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
             makers, inputs = (peer_backward_impls() if peers else backward_impls()), (x, y, dy)
+        expected = expected_output(phase, *inputs)
         for name, make in makers.items():
             if (wanted is not None and name not in wanted) or n > LONGEST_ROW.get(name, n):
                 continue
+            label = f"{name} {phase} {dtype} N={n}"
             try:
-                ms = time_ms(make(*inputs))
+                ms = checked_ms(make(*inputs), expected, label)
             except Exception as error:  # a peer that refuses a size (Liger past 65536) is recorded as missing
-                print(f"{name} {phase} {dtype} N={n}: {type(error).__name__}: {str(error)[:100]}")
+                print(f"{label}: {type(error).__name__}: {str(error)[:100]}")
                 continue
-            results.append(Result(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, ms, gbps(n_bytes, ms),
-                                  ceiling, date))
-        del x, inputs
+            if ms is not None:
+                results.append(Result(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, ms,
+                                      gbps(n_bytes, ms), ceiling, date))
+        del x, inputs, expected
     return results
 
 

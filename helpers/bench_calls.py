@@ -19,8 +19,10 @@ import torch
 from .bench import (
     ELEMENTS_MOVED,
     Result,
+    checked_ms,
     compiled_softmax,
     copy_gbps,
+    expected_output,
     gbps,
     gpu_name,
     peer_backward_impls,
@@ -31,6 +33,7 @@ from .bench import (
     save_results,
     select,
     time_ms,
+    wrong_output,
 )
 from .device import DEVICE
 
@@ -85,11 +88,14 @@ def sweep_long_rows(dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat
             ("backward", "helpers"): functools.partial(softmax_backward, y, dy),
             ("backward", "torch"): functools.partial(torch._softmax_backward_data, dy, y, -1, y.dtype),
         }
+        expected = {phase: expected_output(phase, x, y, dy) for phase in ("forward", "backward")}
         for (phase, name), fn in impls.items():
-            ms = time_ms(fn)
+            if (ms := checked_ms(fn, expected[phase], f"{name} {phase} {dtype} {m} x {n}")) is None:
+                continue
             n_bytes = ELEMENTS_MOVED[phase] * m * n * x.element_size()
             results.append(Result(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, ms, gbps(n_bytes, ms),
                                   ceiling, date))
+        del expected
     return results
 
 
@@ -191,37 +197,44 @@ def sweep_latency(dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float32
         results.append(Latency(gpu, name, phase, str(dtype).removeprefix("torch."), m, n, measure, us, date))
 
     def calls(measure, dtype, m, n):
-        """(name, phase, closure) of every implementation wanted for this case."""
+        """(name, phase, closure, the output it must return or None for the copy and the host's parts) of every
+        implementation wanted for this case."""
         x = (torch.randn(m, n, device=DEVICE) * 4).to(dtype)
         y, dy = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
         for phase in ("forward", "backward"):
             makers = latency_impls(phase)
+            softmax_calls = set(makers)
             if measure == "host":
                 makers = {name: makers[name] for name in ("helpers", "torch", "quack") if name in makers}
                 makers.update(host_parts(phase))
             else:
                 makers["copy"] = copy_reference(phase)
+            expected = expected_output(phase, x, y, dy)
             for name, make in makers.items():
                 if impls is None or name in impls:
                     try:
-                        yield name, phase, make(x, y, dy)
+                        yield name, phase, make(x, y, dy), expected if name in softmax_calls else None
                     except Exception as error:  # a peer that refuses a shape (QuACK: rows not 16-byte multiples)
                         print(f"{name} {phase} {dtype} {m} x {n}: {type(error).__name__}: {str(error)[:100]}")
 
     host = {(name, phase, dtype, m, n): fn for dtype in dtypes for m, n in HOST_SHAPES
-            for name, phase, fn in calls("host", dtype, m, n)}
+            for name, phase, fn, _ in calls("host", dtype, m, n)}
     for (name, phase, dtype, m, n), ms in cpu_ms_per_calls(host).items():
         record(name, phase, dtype, m, n, "host", ms * 1e3)
     decode = [(dtype, m, n) for dtype in dtypes for n in DECODE_N for m in DECODE_M]
     host = {}
     for dtype, m, n in tqdm(decode, desc="decode grid", disable=not progress):
-        for name, phase, fn in calls("eager", dtype, m, n):
+        for name, phase, fn, expected in calls("eager", dtype, m, n):
+            label = f"{name} {phase} {dtype} {m} x {n}"
+            if expected is not None and (problem := wrong_output(fn(), expected)) is not None:
+                print(f"{label}: wrong output ({problem}), not timed")
+                continue
             try:
                 timings = {"eager": time_ms(fn) * 1e3}
                 if name in GRAPHED:
                     timings["graph"] = graph_us(fn)
             except Exception as error:  # QuACK refuses rows that are not 16-byte multiples when called
-                print(f"{name} {phase} {dtype} {m} x {n}: {type(error).__name__}: {str(error)[:100]}")
+                print(f"{label}: {type(error).__name__}: {str(error)[:100]}")
                 continue
             for measure, us in timings.items():
                 record(name, phase, dtype, m, n, measure, us)
@@ -283,8 +296,10 @@ def sweep_other_dims(progress: bool = True) -> list[DimResult]:
                               "compile": functools.partial(compiled_softmax("backward", dim), y, dy)}}
         for phase, impls in calls.items():
             n_bytes = ELEMENTS_MOVED[phase] * x.numel() * x.element_size()
+            expected = expected_output(phase, x, y, dy, dim)
             for name, fn in impls.items():
-                ms = time_ms(fn)
+                if (ms := checked_ms(fn, expected, f"{name} {phase} {dtype} dim {dim} of {shape}")) is None:
+                    continue
                 results.append(DimResult(gpu, name, phase, str(dtype).removeprefix("torch."),
                                          "x".join(map(str, shape)), dim, ms, gbps(n_bytes, ms), ceiling, date))
     return results

@@ -114,3 +114,38 @@ def test_recorded_attention_profiles():
         and "sdpa" in names["cudnn"], names  # each file holds its implementation's attention kernel
     assert all(0 < bench_attention.tensor_busy(profile) < 100 for profile in profiles.values())
     assert len(bench_attention.profile_figure(profiles).axes) == 2
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_sweep_times_only_right_outputs(monkeypatch, capsys, phase):
+    """An implementation whose output is wrong (QuACK 0.6.5's 16-bit forward over rows of 151936 returns NaN) is
+    reported and not timed; right ones are timed. The timer, the copy and the GPU's name are stubbed:
+    only the check runs."""
+    import torch
+
+    monkeypatch.setattr(bench, "time_ms", lambda fn: 1.0)
+    monkeypatch.setattr(bench, "copy_gbps", lambda n, dtype: 1.0)
+    monkeypatch.setattr(bench, "gpu_name", lambda: "a stub")
+    right = bench.forward_impls()["torch"] if phase == "forward" else bench.backward_impls()["torch"]
+    impls = {"torch": right,
+             "nan": lambda *inputs: lambda: torch.full_like(inputs[0], float("nan")),
+             "input": lambda *inputs: lambda: inputs[-1]}  # x forward, dy backward: not softmax
+    monkeypatch.setattr(bench, "forward_impls" if phase == "forward" else "backward_impls", lambda: impls)
+    results = bench.sweep([96], total_elements=96 * 4, phases=(phase,), progress=False)
+    assert [r.impl for r in results] == ["torch"]
+    printed = capsys.readouterr().out
+    assert "nan" in printed and "input" in printed and printed.count("wrong output") == 2
+
+
+def test_recorded_peers_only_where_their_output_was_right():
+    """The sweeps record no time for a peer where its output was checked wrong (results/<gpu>-quack-check.csv), and
+    that check found QuACK's 16-bit forward over rows of 151936 wrong and its backward right."""
+    with (bench.RESULTS_DIR / "nvidia-h100-80gb-hbm3-quack-check.csv").open() as f:
+        checked = list(csv.DictReader(f))
+    wrong = {(r["phase"], r["dtype"], int(r["N"])) for r in checked if r["right"] == "False"}
+    assert {("forward", "bfloat16", 151936), ("forward", "float16", 151936)} <= wrong
+    assert all(phase == "forward" and dtype != "float32" for phase, dtype, _ in wrong)
+    recorded = bench.load_results(bench.results_path(bench.REFERENCE_GPU))
+    latency = bench_calls.load_latency(bench_calls.latency_path(bench.REFERENCE_GPU))
+    quack = [(r.phase, r.dtype, r.N) for r in [*recorded, *latency] if r.impl == "quack"]
+    assert quack and not wrong & set(quack)
