@@ -137,6 +137,34 @@ def test_sweep_times_only_right_outputs(monkeypatch, capsys, phase):
     assert "nan" in printed and "input" in printed and printed.count("wrong output") == 2
 
 
+def test_latency_sweep_reports_wrong_and_refused_calls(monkeypatch, capsys):
+    """The decode grid checks each call's output before timing it; a call that raises there (Liger refuses rows past
+    65536 when called, not when made) is reported and skipped like a wrong one. Timers, host and GPU name stubbed."""
+    import torch
+
+    def refuses(*inputs):
+        def call():
+            raise RuntimeError("rows too long")
+        return call
+
+    monkeypatch.setattr(bench_calls, "time_ms", lambda fn: 1.0)
+    monkeypatch.setattr(bench_calls, "graph_us", lambda fn: 1.0)
+    monkeypatch.setattr(bench_calls, "cpu_ms_per_calls", lambda fns: {key: 1.0 for key in fns})
+    monkeypatch.setattr(bench_calls, "gpu_name", lambda: "a stub")
+    monkeypatch.setattr(bench_calls, "HOST_SHAPES", [])
+    monkeypatch.setattr(bench_calls, "DECODE_M", [2])
+    monkeypatch.setattr(bench_calls, "DECODE_N", [96])
+    real = bench_calls.latency_impls
+    monkeypatch.setattr(bench_calls, "latency_impls", lambda phase: {
+        "torch": real(phase)["torch"], "refuses": refuses,
+        "nan": lambda x, y, dy: lambda: torch.full_like(x, float("nan"))})
+    results = bench_calls.sweep_latency(dtypes=(torch.float32,), progress=False)
+    assert {(r.impl, r.phase) for r in results} == {(impl, phase) for impl in ("torch", "copy")
+                                                    for phase in ("forward", "backward")}
+    printed = capsys.readouterr().out
+    assert printed.count("RuntimeError: rows too long") == 2 and printed.count("wrong output") == 2
+
+
 def test_recorded_peers_only_where_their_output_was_right():
     """The sweeps record no time for a peer where its output was checked wrong (results/<gpu>-quack-check.csv), and
     that check found QuACK's 16-bit forward over rows of 151936 wrong and its backward right."""
