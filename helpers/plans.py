@@ -9,6 +9,12 @@ import triton
 
 from .residency import REGISTER_BUDGET
 
+# A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
+# row just past a multiple of the piece), every piece takes an even share instead, so no program idles while the
+# others set the pace; elsewhere the full pieces compile leaner. The fp32 backward's wide pieces take even shares
+# wherever a row leaves any padding (results/README.md, "Even pieces").
+EVEN_PADDING = 1 / 32
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -16,7 +22,9 @@ class Plan:
     ``rows`` rows per tile, ``num_warps`` warps per program, and whether a tile kernel runs a persistent grid (a split
     always does: its programs must all be resident) or one program per tile. A split places its pieces on 16-byte
     boundaries when ``align`` > 1 (elements per 16 bytes) and the tensors' layout allows it. ``max_registers``
-    caps the registers a thread of its kernel may take (Triton's ``maxnreg``; None: the compiler's choice)."""
+    caps the registers a thread of its kernel may take (Triton's ``maxnreg``; None: the compiler's choice).
+    ``full_padding`` is the most of a split's pieces that may be left empty before each program takes an even share
+    of the row instead (``piece_length``)."""
 
     rows: int
     block_n: int
@@ -25,6 +33,7 @@ class Plan:
     persistent: bool = False
     align: int = 1
     max_registers: int | None = None
+    full_padding: float = EVEN_PADDING
 
 
 # Shapes read off the tuning sweeps and side-by-side H100 timings: good at every length rather than best at one and
@@ -112,11 +121,13 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | No
     # The 16-bit forward's wide pieces under a cap of REGISTER_BUDGET registers: left to itself the compiler takes
     # 136-155 for a piece of 4096 and fewer programs fit.
     cap = None
+    full_padding = EVEN_PADDING
     if wide and element_size == 2 and phase == "forward":
         cap = REGISTER_BUDGET
     elif wide and element_size == 4 and phase == "backward":
-        cap = WIDE_BACKWARD_REGISTERS
-    return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap)
+        cap, full_padding = WIDE_BACKWARD_REGISTERS, 0.0  # even pieces at any padding (``piece_length``)
+    return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap,
+                full_padding=full_padding)
 
 
 def narrower(plan: Plan, n_cols: int, phase: str, element_size: int) -> Plan | None:
@@ -126,29 +137,24 @@ def narrower(plan: Plan, n_cols: int, phase: str, element_size: int) -> Plan | N
     return plan_for(n_cols, phase, element_size, max_piece=plan.block_n // 2)
 
 
-# A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
-# row just past a multiple of the piece), every piece takes an even share instead, so no program idles while the
-# others set the pace; elsewhere the full pieces compile leaner (results/README.md, "Even pieces").
-EVEN_PADDING = 1 / 32
-
-
 def piece_length(n_cols: int, plan: Plan, align: int, element_size: int) -> int:
     """The elements of a row each program of ``plan``'s split holds, of a row window of ``n_cols`` + ``align`` - 1
     positions (``split_rows.row_window``): ``plan.block_n``, the last program taking the rest, or an even share of
-    the window in whole 16-byte chunks where the rest would leave more than EVEN_PADDING of the pieces empty."""
+    the window in whole 16-byte chunks where the rest would leave more than ``plan.full_padding`` of the pieces
+    empty."""
     window = int(n_cols) + align - 1
     chunk = 16 // element_size
     assert plan.block_n % chunk == 0, "an even share rounded up to whole chunks must stay within BLOCK_N"
-    if full_pieces(window, plan.block_n):
+    if full_pieces(window, plan.block_n, plan.full_padding):
         return plan.block_n
     return triton.cdiv(triton.cdiv(window, plan.segments), chunk) * chunk
 
 
-def full_pieces(window: int, block_n: int) -> bool:
-    """Whether a row window of ``window`` positions cut into pieces of ``block_n`` leaves at most EVEN_PADDING of its
-    pieces' positions empty (``piece_length``)."""
+def full_pieces(window: int, block_n: int, full_padding: float = EVEN_PADDING) -> bool:
+    """Whether a row window of ``window`` positions cut into pieces of ``block_n`` leaves at most ``full_padding`` of
+    its pieces' positions empty (``piece_length``)."""
     pieces = triton.cdiv(window, block_n) * block_n
-    return pieces - window <= EVEN_PADDING * pieces
+    return pieces - window <= full_padding * pieces
 
 
 # Few rows over a long row (sampling and decode: a handful of rows over a vocabulary) leave the default plan few
