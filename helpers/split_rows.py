@@ -79,15 +79,16 @@ def store_window(out_ptr, row, row_stride, n_cols, valid, segment, piece, values
 
 
 @triton.jit
-def claim_row(counter_ptr, first_claim, n_rows, claiming):
-    """The next row a program of a split takes. Each segment of the rows (the programs holding piece s of a row) has
-    its own counter, which hands its rows out in order, one to each program that asks: a program that is done early
-    takes the next row instead of waiting for its turn, so no program idles while others finish their share. The
-    counter counts on from launch to launch: each launch takes n_rows + P numbers from it, P the segment's programs
-    (every one asks once past the last row, and stops), so launch k's rows start at ``first_claim`` = k * (n_rows +
-    P). A program that has stopped (not ``claiming``) asks nothing and gets n_rows."""
+def claim_row(counter_ptr, first_claim, programs, n_rows, claiming):
+    """The next row a program of a split takes. A segment's ``programs`` programs (those holding piece s of a row)
+    start on rows 0 to ``programs`` - 1, program j on row j, with no wait; the segment's counter hands out the rows
+    after those in order, one to each program that asks: a program that is done early takes the next row instead of
+    waiting for its turn, so no program idles while others finish their share. The counter counts on from launch to
+    launch: each launch takes n_rows numbers from it (one for each row a program finishes: a program asks once past
+    the last row, and stops), so launch k's claims start at ``first_claim`` = k * n_rows. A program that has stopped
+    (not ``claiming``) asks nothing and gets n_rows."""
     claimed = tl.atomic_add(counter_ptr, 1, mask=claiming, sem="relaxed") + 1
-    return tl.where(claiming, claimed - first_claim, n_rows).to(tl.int32)
+    return tl.where(claiming, programs + claimed - first_claim, n_rows).to(tl.int32)
 
 
 @triton.jit
@@ -128,18 +129,19 @@ def softmax_split_kernel(
     program, parity, launch = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     counter = part_ptr + n_rows * SEGMENTS + 1 + segment
-    first_claim = launch * (n_rows + tl.num_programs(0) // SEGMENTS)
+    programs = tl.num_programs(0) // SEGMENTS  # in each segment
+    first_claim = launch * n_rows
     piece = segment * PIECE + tl.arange(0, BLOCK_N)  # positions in the row (columns when ALIGN = 1)
     parts = tl.arange(0, SEGMENTS_POW2)
     x_prev = tl.zeros((BLOCK_N,), x_ptr.dtype.element_ty)
     x_edge_prev = tl.zeros((2 * ALIGN,), x_ptr.dtype.element_ty)
     previous = tl.full((), -1, tl.int32)  # the row published one iteration ago: none yet
-    next_row = claim_row(counter, first_claim, n_rows, previous < 0)
+    next_row = program // SEGMENTS  # the first row needs no claim: a call of few rows waits on no atomic
     # one iteration past the program's last row, so that in PHASE 2 its last row is finished too
     while previous < n_rows:
         valid = next_row < n_rows
         row = next_row.to(tl.int64)  # 64-bit offsets: row * stride can pass 2**31
-        next_row = claim_row(counter, first_claim, n_rows, valid)  # asked now: answered by the next iteration
+        next_row = claim_row(counter, first_claim, programs, n_rows, valid)  # asked now: answered by the next iteration
         # the piece's elements, and in the row's first program the end chunks' elements too: the partial covers both
         x, x_edge = load_window(x_ptr, row, x_row_stride, x_col_stride, n_cols, valid, segment, piece, float("-inf"),
                                 ALIGN, PIECE)
@@ -185,7 +187,8 @@ def softmax_backward_split_kernel(
     program, parity, launch = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     counter = part_ptr + n_rows * SEGMENTS + 1 + segment
-    first_claim = launch * (n_rows + tl.num_programs(0) // SEGMENTS)
+    programs = tl.num_programs(0) // SEGMENTS  # in each segment
+    first_claim = launch * n_rows
     piece = segment * PIECE + tl.arange(0, BLOCK_N)
     parts = tl.arange(0, SEGMENTS_POW2)
     y_prev = tl.zeros((BLOCK_N,), y_ptr.dtype.element_ty)
@@ -193,11 +196,11 @@ def softmax_backward_split_kernel(
     y_edge_prev = tl.zeros((2 * ALIGN,), y_ptr.dtype.element_ty)
     dy_edge_prev = tl.zeros((2 * ALIGN,), dy_ptr.dtype.element_ty)
     previous = tl.full((), -1, tl.int32)
-    next_row = claim_row(counter, first_claim, n_rows, previous < 0)
+    next_row = program // SEGMENTS
     while previous < n_rows:
         valid = next_row < n_rows
         row = next_row.to(tl.int64)
-        next_row = claim_row(counter, first_claim, n_rows, valid)
+        next_row = claim_row(counter, first_claim, programs, n_rows, valid)
         y, y_edge = load_window(y_ptr, row, y_row_stride, y_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN,
                                 PIECE)
         dy, dy_edge = load_window(dy_ptr, row, dy_row_stride, dy_col_stride, n_cols, valid, segment, piece, 0.0, ALIGN,
