@@ -11,7 +11,7 @@ from .residency import REGISTER_BUDGET
 
 # A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
 # row just past a multiple of the piece), every piece takes an even share instead, so no program idles while the
-# others set the pace; elsewhere the full pieces compile leaner. The fp32 backward's wide pieces take even shares
+# others set the pace; elsewhere the full pieces compile leaner. The backward's pieces of 16 KB take even shares
 # wherever a row leaves any padding (results/README.md, "Even pieces").
 EVEN_PADDING = 1 / 32
 
@@ -50,8 +50,11 @@ WIDEST_SEGMENT_ELEMENTS = 8192  # ... and twice again (``plan_for`` says which r
 # The fp32 backward's wide pieces (4096 each of y and dy, held one row behind) take about 160 registers a thread on 4
 # warps. Capped at this, three programs fit an SM's 65536: 396 on an H100, which rows of 38 pieces (151936) fill with
 # 10 groups, where pieces on 8 warps fit 6 groups and leave an eighth of the GPU idle (results/README.md, "Wider
-# pieces").
+# pieces"). The 16-bit backward's pieces of 8192 hold as many bytes and take the same shape where a row leaves more
+# than WIDE_BACKWARD_PADDING of them empty: even shares win back about the padding (0.005-0.03 of copy at 2.1-2.4%),
+# and 4 warps cost about 0.01 where the pieces come out (nearly) full, so there they keep 8 warps and full pieces.
 WIDE_BACKWARD_REGISTERS = 168
+WIDE_BACKWARD_PADDING = 1 / 64
 
 
 def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
@@ -109,23 +112,23 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | No
     block_n = min(block_n, max(max_piece or block_n, SEGMENT_ELEMENTS))
     segments = triton.cdiv(n_cols + align - 1, block_n)
     # Warps: a forward warp for each 4 KB of its piece, a backward warp for each 2 KB of each of y and dy; few per
-    # piece keep many pieces resident. The fp32 forward's narrow pieces take 2, and 4 once a row has 32; the fp32
-    # backward's wide ones 4, under WIDE_BACKWARD_REGISTERS.
+    # piece keep many pieces resident. The fp32 forward's narrow pieces take 2, and 4 once a row has 32.
     wide = block_n > SEGMENT_ELEMENTS
     if phase == "forward" and element_size == 4 and not wide:
         warps = 4 if segments >= 32 else 2
-    elif phase == "backward" and element_size == 4 and wide:
-        warps = 4
     else:
         warps = max(1, block_n * element_size // (4096 if phase == "forward" else 2048))
     # The 16-bit forward's wide pieces under a cap of REGISTER_BUDGET registers: left to itself the compiler takes
-    # 136-155 for a piece of 4096 and fewer programs fit.
+    # 136-155 for a piece of 4096 and fewer programs fit. Backward pieces of 16 KB of each of y and dy (fp32 4096,
+    # 16-bit 8192 where the row leaves more than WIDE_BACKWARD_PADDING) on 4 warps under WIDE_BACKWARD_REGISTERS, with
+    # even shares at any padding (``piece_length``).
     cap = None
     full_padding = EVEN_PADDING
     if wide and element_size == 2 and phase == "forward":
         cap = REGISTER_BUDGET
-    elif wide and element_size == 4 and phase == "backward":
-        cap, full_padding = WIDE_BACKWARD_REGISTERS, 0.0  # even pieces at any padding (``piece_length``)
+    elif phase == "backward" and block_n * element_size == 4 * WIDE_SEGMENT_ELEMENTS and (
+            element_size == 4 or not full_pieces(n_cols + align - 1, block_n, WIDE_BACKWARD_PADDING)):
+        warps, cap, full_padding = 4, WIDE_BACKWARD_REGISTERS, 0.0
     return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap,
                 full_padding=full_padding)
 

@@ -114,7 +114,9 @@ SPLIT_KERNELS = AS_LAUNCHED_ON_H100 + r"""
 for phase, kernel in (("forward", split_rows.softmax_split_kernel),
                       ("backward", split_rows.softmax_backward_split_kernel)):
     for dtype, element_size in (("bf16", 2), ("fp32", 4)):
-        for n_cols in (50257, 131083):  # odd row strides, where 16-bit pieces of 8192 would not come out full
+        # odd row strides: 16-bit pieces of 8192 would not come out full at 50257 and 131083; at 200019 they do,
+        # leaving padding (the 16-bit backward: 4 warps under WIDE_BACKWARD_REGISTERS, even shares)
+        for n_cols in (50257, 131083, 200019):
             for align in (1, plans.plan_for(n_cols, phase, element_size).align):
                 plan = plans.plan_for(n_cols, phase, element_size)
                 # the launcher's rule: even pieces over the register budget fall back to full ones, wide pieces to
@@ -141,17 +143,17 @@ for phase, kernel in (("forward", split_rows.softmax_split_kernel),
 
 def test_split_kernels_compile_to_wide_loads_within_registers():
     """Rows of an odd length start off 16-byte boundaries. ALIGN > 1 cuts them so the pieces still load 16 bytes per
-    instruction (ALIGN = 1: none do), and the pieces the launcher runs stay within 128 registers a thread (the fp32
-    backward's wide pieces within their cap of 168, three programs of 4 warps an SM) without spilling, so 16 one-warp
-    programs (8 two-warp, 4 four-warp ones) fit an SM: the split kernels' speed rests on
-    both. Register allocation changes between Triton versions, so the launcher reads the compiled kernel's registers
+    instruction (ALIGN = 1: none do), and the pieces the launcher runs stay within 128 registers a thread (the
+    backward's pieces of 16 KB within their cap of 168, three programs of 4 warps an SM) without spilling, so 16
+    one-warp programs (8 two-warp, 4 four-warp ones) fit an SM: the split kernels' speed rests on both. Register
+    allocation changes between Triton versions, so the launcher reads the compiled kernel's registers
     and gives pieces wider than 2048 over the budget narrower ones (``plans.narrower``; unaligned: all); this test
-    applies the same rule, and the plan's register cap (the 16-bit forward's), to the compiler it runs with, after
-    even pieces over the budget fall back to full ones. 16-bit pieces fit only because they stay 16-bit until used
-    (``upcast_again``; an fp32 copy takes 145-210 registers)."""
+    applies the same rule, and the plan's register cap (the 16-bit forward's, the wide backward's), to the compiler it
+    runs with, after even pieces over the budget fall back to full ones. 16-bit pieces fit only because they stay
+    16-bit until used (``upcast_again``; an fp32 copy takes 145-210 registers)."""
     out = compile_in_subprocess(SPLIT_KERNELS)
     compiled = [line.split() for line in out.stdout.splitlines()]
-    assert len(compiled) == 16, out.stdout
+    assert len(compiled) == 24, out.stdout
     assert "2048" in {block_n for *_, block_n, _, _, _, _, _, _ in compiled}, out.stdout
     assert any(piece != block_n for *_, block_n, piece, _, _, _, _, _ in compiled), out.stdout  # even pieces at 50257
     for *_, align, registers, stack, wide_loads, budget in compiled:
