@@ -177,3 +177,21 @@ def test_recorded_peers_only_where_their_output_was_right():
     latency = bench_calls.load_latency(bench_calls.latency_path(bench.REFERENCE_GPU))
     quack = [(r.phase, r.dtype, r.N) for r in [*recorded, *latency] if r.impl == "quack"]
     assert quack and not wrong & set(quack)
+
+
+def test_recorded_grid_meets_the_bandwidth_targets():
+    """The reference GPU's recorded grid: every point with N >= 1024 at 0.95 of copy or more, forward and backward in
+    every dtype, and none more than 0.01 of copy behind the best peer timed beside it (QuACK included)."""
+    recorded = bench.load_results(bench.results_path(bench.REFERENCE_GPU))
+    peers = ("torch", "compile", "liger", "quack")
+    checked = 0
+    for r in bench.select(recorded, impl="helpers"):
+        if r.N not in bench.GRID_N:
+            continue
+        ours = r.gbps / r.copy_gbps
+        best = max(p.gbps / p.copy_gbps for p in bench.select(recorded, phase=r.phase, dtype=r.dtype, N=r.N)
+                   if p.impl in peers)
+        assert r.N < 1024 or ours >= 0.95, (r.phase, r.dtype, r.N, ours)
+        assert ours >= best - 0.01, (r.phase, r.dtype, r.N, ours, best)
+        checked += 1
+    assert checked == 2 * 3 * len(bench.GRID_N)
