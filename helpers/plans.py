@@ -120,14 +120,14 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | No
         warps = max(1, block_n * element_size // (4096 if phase == "forward" else 2048))
     # The 16-bit forward's wide pieces under a cap of REGISTER_BUDGET registers: left to itself the compiler takes
     # 136-155 for a piece of 4096 and fewer programs fit. Backward pieces of 16 KB of each of y and dy (fp32 4096,
-    # 16-bit 8192 where the row leaves more than WIDE_BACKWARD_PADDING) on 4 warps under WIDE_BACKWARD_REGISTERS, with
-    # even shares at any padding (``piece_length``).
+    # 16-bit 8192 where the row leaves more than WIDE_BACKWARD_PADDING; not fp64's 2048, whose rows take two passes) on
+    # 4 warps under WIDE_BACKWARD_REGISTERS, with even shares at any padding (``piece_length``).
     cap = None
     full_padding = EVEN_PADDING
     if wide and element_size == 2 and phase == "forward":
         cap = REGISTER_BUDGET
-    elif phase == "backward" and block_n * element_size == 4 * WIDE_SEGMENT_ELEMENTS and (
-            element_size == 4 or not full_pieces(n_cols + align - 1, block_n, WIDE_BACKWARD_PADDING)):
+    elif phase == "backward" and block_n * element_size == 4 * WIDE_SEGMENT_ELEMENTS and (element_size == 4 or (
+            element_size == 2 and not full_pieces(n_cols + align - 1, block_n, WIDE_BACKWARD_PADDING))):
         warps, cap, full_padding = 4, WIDE_BACKWARD_REGISTERS, 0.0
     return Plan(1, block_n, segments, warps, persistent=True, align=align, max_registers=cap,
                 full_padding=full_padding)

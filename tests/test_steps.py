@@ -154,23 +154,9 @@ def test_16_bit_wide_backward_follows_the_h100():
             assert gain < 0, (dtype, n, gain)
             kept.append(n)
     assert sorted(set(taken)) == [40000, 128256, 151936, 200019, 256000] and set(kept) == {65000}
-
-
-def test_wide_backward_figures_notebook_06_quotes():
-    """Notebook 06's figures for the backward's pieces of 16 KB at 151936 (2.4% of padding), from the recorded runs:
-    even shares put the fp32 backward 0.005 of copy ahead of full pieces, and the 16-bit backward on 4 warps with even
-    shares 0.014-0.019 ahead of 8 warps with full pieces (Triton 3.6); the 16-bit rule's threshold is 1/64."""
-    with open(bench.RESULTS_DIR / "nvidia-h100-80gb-hbm3-even-pieces.csv") as f:
-        fp32 = {r["pieces"]: float(r["fraction"]) for r in csv.DictReader(f)
-                if (r["phase"], r["dtype"], r["N"]) == ("backward", "float32", "151936")}
-    assert round(fp32["even"] - fp32["full"], 4) == 0.0045  # "0.005", rounded half up
-    with open(bench.RESULTS_DIR / "nvidia-h100-80gb-hbm3-wide-backward.csv") as f:
-        runs = {(r["dtype"], r["variant"][:7]): float(r["fraction"]) for r in csv.DictReader(f)
-                if (r["triton"], r["N"]) == ("3.6.0", "151936") and r["variant"] != "8 warps, even shares"}
-    gains = sorted(round(runs[dtype, "4 warps"] - runs[dtype, "8 warps"], 3) for dtype in ("bfloat16", "float16"))
-    assert gains == [0.014, 0.019] and plans.WIDE_BACKWARD_PADDING == 1 / 64
-    padding = 1 - 151936 / (19 * 8192)
-    assert round(100 * padding, 1) == 2.4 and not plans.full_pieces(151936, 8192, plans.WIDE_BACKWARD_PADDING)
+    # fp64 rows take two passes, so fp64 pieces of 2048 (16 KB as well) are planned as before: 8 warps, no cap
+    fp64, bf16 = (plans.plan_for(40000, "backward", element_size) for element_size in (8, 2))
+    assert (fp64.num_warps, fp64.max_registers, bf16.num_warps) == (8, None, 4)
 
 
 def test_first_row_claim_figures():
