@@ -50,32 +50,6 @@ def test_opcheck_long_rows(looped):
     assert set(torch.library.opcheck(BACKWARD, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
 
 
-def test_capped_plans_trace_as_opaque_operators(looped):
-    """A traced call whose rows take a plan with a register cap (Inductor would build its kernel without it) is
-    recorded as an opaque operator that runs the eager launch: the 16-bit forward's wide pieces and the backward's
-    16 KB pieces here, with ``looped``'s small pieces. Its fake implementation lays the output out as the launch does
-    (opcheck), and it trains like the traced operator."""
-    x16, x32 = randn(6, 100, dtype=torch.bfloat16), randn(6, 100)
-    assert helpers.plans.plan_for(100, "forward", 2).max_registers is not None
-    assert helpers.plans.plan_for(100, "forward", 4).max_registers is None
-    assert helpers.plans.plan_for(100, "backward", 4).max_registers is not None
-    capped_forward = torch.ops.softmax_course.softmax_capped.default
-    capped_backward = torch.ops.softmax_course.softmax_backward_capped.default
-    assert set(torch.library.opcheck(capped_forward, (x16.clone().requires_grad_(), -1)).values()) == {"SUCCESS"}
-    y = torch.softmax(x32, -1)
-    assert set(torch.library.opcheck(capped_backward, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
-    for x, op in ((x16, "softmax_course.softmax_capped.default"), (x32, "softmax_course.softmax.default")):
-        code = torch._dynamo.explain(lambda x: helpers.softmax(x * 0.5, -1))(x).graphs[0].code
-        assert op in code, code
-    torch._dynamo.reset()
-    x = x32.clone().requires_grad_()
-    dy = randn(6, 100)
-    (expected,) = torch.autograd.grad(helpers.softmax(x * 0.5, -1), x, dy)
-    compiled = torch.compile(lambda x: helpers.softmax(x * 0.5, -1), backend="aot_eager", fullgraph=True)
-    (dx,) = torch.autograd.grad(compiled(x), x, dy)  # its backward: the opaque capped operator
-    torch.testing.assert_close(dx, expected)
-
-
 def attention_probabilities(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return helpers.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, -1)
 
