@@ -160,10 +160,10 @@ def test_16_bit_wide_backward_follows_the_h100():
 
 
 def test_first_row_claim_figures():
-    """The figures notebook 06 and results/*-split-forward.md quote for a split's first row taken without a claim, from
-    the recorded runs: claiming every row (6b22ccb) cost the decode calls 0.7-1.8 us against rows from tickets
-    (2fe53d0); the first row unclaimed (14c3ba7) ran the 48 decode points 0.37 us faster at the median than 1ed9dcc,
-    and full-size rows within 0.005 of copy."""
+    """The figures results/*-split-forward.md quotes for a split's first row taken without a claim, from the recorded
+    runs: claiming every row (6b22ccb) cost the decode calls 0.7-1.8 us against rows from tickets (2fe53d0; notebook 06
+    checks the same in its cell); the first row unclaimed (14c3ba7) ran the 48 decode points 0.37 us faster at the
+    median than 1ed9dcc, and full-size rows within 0.005 of copy."""
     with open(bench.RESULTS_DIR / "nvidia-h100-80gb-hbm3-first-row.csv") as f:
         recorded = list(csv.DictReader(f))
 
