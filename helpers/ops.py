@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import columns, fused, kernels, recipes
+from . import columns, fused, kernels, plans, recipes
 from .device import DEVICE, INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -108,6 +108,44 @@ _softmax_op = _operator("softmax_course::softmax", _forward)
 _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 
+# Inductor builds a user's Triton kernel with its num_warps and num_stages only, so a plan that caps its kernel's
+# registers (Triton's maxnreg, ``plans.Plan.max_registers``) would compile uncapped there, step down to narrower pieces
+# and run up to 0.04 of copy slower (results/README.md, "Under torch.compile the register caps would be lost"). A traced
+# call whose rows take such a plan is recorded as one of these opaque operators instead, and runs the eager launch.
+def _output_like(t: torch.Tensor, dim: int, *others: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor laid out as ``_forward`` or ``_backward`` lays out its result: the fake implementation
+    of the opaque operators."""
+    if t.numel() == 0 or columns.takes_columns(dim, t, *others):
+        return torch.empty_like(t)
+    return _unrows(_new_rows(*_rows(t, dim).shape, like=t), t, dim)
+
+
+def _capped_rows(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the rows of ``t`` (and ``others``) over ``dim`` take a plan that caps its kernel's registers."""
+    if t.numel() == 0 or columns.takes_columns(dim, t, *others):
+        return False
+    return plans.plan_for(t.shape[dim], phase, t.element_size()).max_registers is not None
+
+
+def _capped_forward(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``_forward``, which a compiled graph may run in its CUDA-graph memory pool (``recipes.in_graph_pool``)."""
+    with recipes.in_graph_pool:
+        return _forward(x, dim)
+
+
+def _capped_backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    """``_backward``, which a compiled graph may run in its CUDA-graph memory pool."""
+    with recipes.in_graph_pool:
+        return _backward(y, dy, dim)
+
+
+_capped_softmax_op = torch.library.custom_op("softmax_course::softmax_capped", _capped_forward, mutates_args=())
+_capped_softmax_op.register_fake(_output_like)
+_capped_softmax_backward_op = torch.library.custom_op("softmax_course::softmax_backward_capped", _capped_backward,
+                                                      mutates_args=())
+_capped_softmax_backward_op.register_fake(lambda y, dy, dim: _output_like(y, dim, dy))
+
+
 def _traced(*tensors: torch.Tensor) -> bool:
     """Whether torch.compile is tracing the call, or a tensor is a subclass (FakeTensors, ...): then the operator
     runs, for the tracer to see. Plain calls skip its dispatcher, which adds Python time to every call."""
@@ -178,7 +216,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     if _traced(x):
-        return _softmax_op(x, dim)
+        return (_capped_softmax_op if _capped_rows("forward", dim, x) else _softmax_op)(x, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return Softmax.apply(x, dim)  # the operator's autograd, without its dispatcher; its forward comes back here
     y = _forward(x, dim)
@@ -207,7 +245,10 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
-    if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
+    if _traced(y, dy):
+        op = _capped_softmax_backward_op if _capped_rows("backward", dim, y, dy) else _softmax_backward_op
+        return op(y, dy, dim)
+    if torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad):
         return _softmax_backward_op(y, dy, dim)
     dx = _backward(y, dy, dim)
     _remember(key, _backward_call(y, dy, dim))
@@ -235,6 +276,7 @@ class Softmax(torch.autograd.Function):
 
 # The operator's autograd is this Function's: the same context and backward, registered once (notebook 08).
 torch.library.register_autograd("softmax_course::softmax", Softmax.backward, setup_context=Softmax.setup_context)
+torch.library.register_autograd("softmax_course::softmax_capped", Softmax.backward, setup_context=Softmax.setup_context)
 
 
 class GraphSoftmax(torch.autograd.Function):

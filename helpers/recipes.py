@@ -5,6 +5,7 @@ call."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,24 @@ _current_stream = torch._C._cuda_getCurrentRawStream if LAUNCH_DIRECTLY else Non
 _capturing = torch._C._cuda_isCurrentStreamCapturing if LAUNCH_DIRECTLY else None
 
 
+class InGraphPool(threading.local):
+    """``with in_graph_pool:`` the launches in the block may run in torch.compile's CUDA-graph warmup (``ops``' opaque
+    operators), on the graph tree's own stream with every allocation going to its memory pool. There a kept buffer
+    would outlive the graph's outputs and cudagraph trees would refuse the pool, so calls in the block on a stream
+    other than the default one take buffers of their own, as a captured call does."""
+
+    on = False
+
+    def __enter__(self) -> None:
+        self.on = True
+
+    def __exit__(self, *exc) -> None:
+        self.on = False
+
+
+in_graph_pool = InGraphPool()
+
+
 @dataclass
 class Recipe:
     """Everything one call launches: its scratch buffers, and its steps in order."""
@@ -107,14 +126,15 @@ class Recipe:
 
         A kept exchange buffer is ready for the next call as the kernels leave it (its tags), and calls on one stream
         run one after another. A call being captured into a CUDA graph takes buffers of its own, whose fill the graph
-        replays: the graph may later run on another stream, beside calls on this one. Without a GPU: ``run``."""
+        replays: the graph may later run on another stream, beside calls on this one; so does a call on a side stream
+        under ``in_graph_pool``. Without a GPU: ``run``."""
         if not LAUNCH_DIRECTLY:
             self.run(operands)
             return
         stream = _current_stream(device)
         buffers = ()
         if self.buffers:
-            if stream and _capturing():  # stream 0, CUDA's legacy default stream, cannot be captured
+            if stream and (in_graph_pool.on or _capturing()):  # stream 0, CUDA's legacy default stream: neither
                 buffers, buffer_pointers = self._allocate(operands[0].device, None)
             else:
                 buffers, buffer_pointers = self.kept.get(stream) or self._allocate(operands[0].device, stream)
