@@ -28,8 +28,6 @@ def launch_rows_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, pl
 def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: plans.Plan | None) -> recipes.Recipe:
     n_rows, n_cols = x.shape
     ints = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
-    if plan is None and plans.is_symbolic(n_cols):  # traced, its length dynamic: a tile of a few widths or two passes
-        plan = plans.symbolic_plan(n_cols) or plans.TWO_PASSES
     few = plan is None and x.dtype != torch.float64 and plans.few_rows_plan(n_rows, n_cols, "forward", x.element_size())
     if few and (recipe := _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, few)) is not None:
         return recipe  # else its pieces do not fit the GPU together: the default plan's may
@@ -37,7 +35,7 @@ def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: plans.Plan | None) ->
     plan = plan or plans.plan_for(n_cols, "forward", x.element_size())
     if plan.segments == 1:
         return _tile_recipe(tiles.softmax_tile_kernel, (y, x), ints, plan)
-    if x.dtype != torch.float64 and plan is not plans.TWO_PASSES:  # fp64 partials do not fit a packed word
+    if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
         recipe = _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, plan, planned)
         if recipe is not None:
             return recipe
@@ -47,8 +45,6 @@ def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: plans.Plan | None) ->
 def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: plans.Plan | None) -> recipes.Recipe:
     n_rows, n_cols = y.shape
     ints = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
-    if plan is None and plans.is_symbolic(n_cols):
-        plan = plans.symbolic_plan(n_cols) or plans.TWO_PASSES
     few = (plan is None and torch.float64 not in (y.dtype, dy.dtype)
            and plans.few_rows_plan(n_rows, n_cols, "backward", y.element_size()))
     if few and (recipe := _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, few)) is not None:
@@ -57,7 +53,7 @@ def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: p
     plan = plan or plans.plan_for(n_cols, "backward", y.element_size())
     if plan.segments == 1:
         return _tile_recipe(tiles.softmax_backward_tile_kernel, (dx, y, dy), ints, plan)
-    if torch.float64 not in (y.dtype, dy.dtype) and plan is not plans.TWO_PASSES:
+    if torch.float64 not in (y.dtype, dy.dtype):
         recipe = _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, plan, planned)
         if recipe is not None:
             return recipe

@@ -84,13 +84,6 @@ def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         y = _new_output(x)
         columns.launch_columns_forward(x, y, dim)
         return y
-    if not recipes.plain((x,)) and _capped_rows("forward", x.shape[dim], x.element_size()):
-        return _capped_softmax_op(x, dim)  # traced, and its plan caps the kernel's registers (below)
-    return _forward_rows(x, dim)
-
-
-def _forward_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Rows in, the fused forward launch, rows out."""
     x_rows = _rows(x, dim)
     y_rows = _new_rows(*x_rows.shape, like=x)
     fused.launch_rows_forward(x_rows, y_rows)
@@ -105,12 +98,6 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         dx = _new_output(y)
         columns.launch_columns_backward(y, dy, dx, dim)
         return dx
-    if not recipes.plain((y, dy)) and _capped_rows("backward", y.shape[dim], y.element_size()):
-        return _capped_softmax_backward_op(y, dy, dim)
-    return _backward_rows(y, dy, dim)
-
-
-def _backward_rows(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y)
     fused.launch_rows_backward(y_rows, dy_rows, dx_rows)
@@ -123,10 +110,8 @@ _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 # Inductor builds a user's Triton kernel with its num_warps and num_stages only, so a plan that caps its kernel's
 # registers (Triton's maxnreg, ``plans.Plan.max_registers``) would compile uncapped there, step down to narrower pieces
-# and run up to 0.04 of copy slower (results/README.md, "Under torch.compile the register caps would be lost"). Traced
-# rows that take such a plan go to one of these opaque operators instead, which run the eager launch. The choice is
-# made inside the operators' bodies, where a traced row length is a number or visibly a symbol (to Dynamo every
-# SymInt is an int, and a plan asked of it would fix the graph to that length).
+# and run up to 0.04 of copy slower (results/README.md, "Under torch.compile the register caps would be lost"). A traced
+# call whose rows take such a plan is recorded as one of these opaque operators instead, and runs the eager launch.
 def _output_like(t: torch.Tensor, dim: int, *others: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor laid out as ``_forward`` or ``_backward`` lays out its result: the fake implementation
     of the opaque operators."""
@@ -135,23 +120,23 @@ def _output_like(t: torch.Tensor, dim: int, *others: torch.Tensor) -> torch.Tens
     return _unrows(_new_rows(*_rows(t, dim).shape, like=t), t, dim)
 
 
-def _capped_rows(phase: str, n_cols, element_size: int) -> bool:
-    """Whether rows of ``n_cols`` take a plan that caps its kernel's registers (never a symbolic length's:
-    ``plans.symbolic_plan``)."""
-    return not plans.is_symbolic(n_cols) and plans.plan_for(n_cols, phase, element_size).max_registers is not None
+def _capped_rows(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the rows of ``t`` (and ``others``) over ``dim`` take a plan that caps its kernel's registers."""
+    if t.numel() == 0 or columns.takes_columns(dim, t, *others):
+        return False
+    return plans.plan_for(t.shape[dim], phase, t.element_size()).max_registers is not None
 
 
 def _capped_forward(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The rows' eager launch, which a compiled graph may run in its CUDA-graph memory pool
-    (``recipes.in_graph_pool``)."""
+    """``_forward``, which a compiled graph may run in its CUDA-graph memory pool (``recipes.in_graph_pool``)."""
     with recipes.in_graph_pool:
-        return _forward_rows(x, dim)
+        return _forward(x, dim)
 
 
 def _capped_backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
-    """The rows' eager launch, which a compiled graph may run in its CUDA-graph memory pool."""
+    """``_backward``, which a compiled graph may run in its CUDA-graph memory pool."""
     with recipes.in_graph_pool:
-        return _backward_rows(y, dy, dim)
+        return _backward(y, dy, dim)
 
 
 _capped_softmax_op = torch.library.custom_op("softmax_course::softmax_capped", _capped_forward, mutates_args=())
@@ -231,7 +216,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     if _traced(x):
-        return _softmax_op(x, dim)
+        return (_capped_softmax_op if _capped_rows("forward", dim, x) else _softmax_op)(x, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return Softmax.apply(x, dim)  # the operator's autograd, without its dispatcher; its forward comes back here
     y = _forward(x, dim)
@@ -260,7 +245,10 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
-    if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
+    if _traced(y, dy):
+        op = _capped_softmax_backward_op if _capped_rows("backward", dim, y, dy) else _softmax_backward_op
+        return op(y, dy, dim)
+    if torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad):
         return _softmax_backward_op(y, dy, dim)
     dx = _backward(y, dy, dim)
     _remember(key, _backward_call(y, dy, dim))

@@ -74,39 +74,10 @@ def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
 
 def tile_plan(n_cols: int) -> Plan:
     """A tile of whole rows of ``n_cols``: rows until the tile holds TILE_ELEMENTS, warps by its size."""
-    return _tile(triton.next_power_of_2(n_cols))
-
-
-def _tile(block: int) -> Plan:
+    block = triton.next_power_of_2(n_cols)
     rows = max(1, TILE_ELEMENTS // block)
     warps = max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
     return Plan(rows, block, 1, warps)
-
-
-# A row length torch.compile traces as a symbol (dynamic shapes: dynamic=True, or a length that changed between calls)
-# cannot be compiled into a plan: planned, the graph would hold only for that length and compile again at the next
-# (and a fullgraph compile fails after 8). Such rows take a tile of one of these widths, the narrowest that holds them,
-# so that a length growing call by call (a decode loop's attention) compiles a graph once per width; rows past the
-# widest take the two passes (``two_pass``), whose kernels take any length.
-SYMBOLIC_TILE_BLOCKS = (256, 2048, ALWAYS_TILE_ROW)
-
-
-def is_symbolic(n_cols) -> bool:
-    """Whether a row length is torch.compile's symbol rather than a number."""
-    return not isinstance(n_cols, int)
-
-
-# A marker for the launches (compared by identity, never launched itself): the rows take the two passes.
-TWO_PASSES = Plan(1, SEGMENT_ELEMENTS, 0, 1)
-
-
-def symbolic_plan(n_cols) -> Plan | None:
-    """The tile for rows of a symbolic length (``SYMBOLIC_TILE_BLOCKS``), or None: two passes. Only compared, so that
-    torch.compile guards on the range of widths the length falls in, not on the length."""
-    for block in SYMBOLIC_TILE_BLOCKS:
-        if n_cols <= block:
-            return _tile(block)
-    return None
 
 
 def widest_piece(n_cols: int, phase: str, element_size: int, align: int) -> int:
@@ -130,7 +101,7 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | No
     of the GPU idle: ``fused``'s ``ROW_FILL``).
 
     The shape is compiled into the kernel, so a symbolic row length (torch.compile's dynamic shapes) is made concrete
-    here: the compiled graph is then specialised to it. The launches take ``symbolic_plan`` for those instead."""
+    here: the compiled graph is then specialised to it."""
     n_cols = int(n_cols)
     if takes_tile(n_cols, phase, element_size):
         return tile_plan(n_cols)

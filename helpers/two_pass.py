@@ -10,7 +10,6 @@ import triton.language as tl
 from .device import INTERPRET
 from .exchange import FINISH, STATISTICS
 from .kernels import upcast
-from .plans import is_symbolic
 from .recipes import Buffer, Recipe, Step
 from .tiles import KEEP_IN_L2, LOG2E
 
@@ -147,9 +146,7 @@ def two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], strides: tuple, 
     kept_programs = int(l2_bytes * KEPT_L2_FRACTION) // bytes_per_program
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in operands) else torch.float32
     buffers = tuple(Buffer(n_rows * chunks, dtype) for _ in range(partials))
-    # A symbolic row length (``plans.symbolic_plan``) reads its partials as MAX_CHUNKS lanes: one graph for any length.
-    chunks_pow2 = MAX_CHUNKS if is_symbolic(n_cols) else triton.next_power_of_2(chunks)
     return Recipe(buffers, tuple(
         Step(kernel, n_rows * chunks, (*strides, n_cols, chunks, chunk_blocks, kept_programs),
-             dict(CHUNKS_POW2=chunks_pow2, BLOCK_N=block_n, PHASE=phase.value), TWO_PASS_WARPS)
+             dict(CHUNKS_POW2=triton.next_power_of_2(chunks), BLOCK_N=block_n, PHASE=phase.value), TWO_PASS_WARPS)
         for phase in (STATISTICS, FINISH)))
