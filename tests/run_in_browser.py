@@ -62,20 +62,38 @@ def start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
     raise RuntimeError("JupyterLab did not start within 120 s")
 
 
+def accept_kernel_choice(page) -> bool:
+    """JupyterLab asks which kernel to start when a notebook opens before it has listed the kernels (the first one, on
+    a busy machine): take the one it proposes, the notebook's own. Whether it asked."""
+    dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
+    if not dialog.count():
+        return False
+    dialog.locator(".jp-mod-accept").first.click()
+    page.wait_for_timeout(2_000)  # let the kernel start
+    return True
+
+
+def menu(page, name: str, item: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=name).first.click()
+    page.locator(".lm-Menu-itemLabel", has_text=item).first.click()
+
+
 def run_notebook(page, url: str, name: str) -> list[str]:
     """Open, run all cells, wait, and return the text of every error or stderr output (or of a time-out)."""
     page.goto(url)
     panel = ".jp-NotebookPanel:visible"
     page.wait_for_selector(f"{panel} .jp-CodeCell", timeout=120_000)
     page.wait_for_timeout(2_000)  # let the kernel connect
-    for menu, item in (("Edit", "Clear Outputs of All Cells"), ("Run", "Run All Cells")):  # fresh outputs only
-        page.locator(".lm-MenuBar-itemLabel", has_text=menu).first.click()
-        page.locator(".lm-Menu-itemLabel", has_text=item).first.click()
+    accept_kernel_choice(page)
+    menu(page, "Edit", "Clear Outputs of All Cells")  # fresh outputs only
+    menu(page, "Run", "Run All Cells")
     prompts = page.locator(f"{panel} .jp-CodeCell .jp-InputPrompt")
     errors = page.locator(f'{panel} .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
     deadline, finished = time.time() + CELL_TIMEOUT_S, False
     while time.time() < deadline and not finished and errors.count() == 0:  # Run All stops at an error
         page.wait_for_timeout(1_000)
+        if accept_kernel_choice(page):  # asked on Run All, which then ran nothing: again, with a kernel
+            menu(page, "Run", "Run All Cells")
         texts = [t.strip() for t in prompts.all_inner_texts()]
         finished = bool(texts) and all(t[1:-2].isdigit() for t in texts)  # "[12]:" on every cell since the clear
     page.wait_for_timeout(1_000)
