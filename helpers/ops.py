@@ -9,6 +9,7 @@ otherwise, and the output is fresh contiguous rows viewed back into the input's 
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from . import columns, fused, kernels, plans, recipes
 from .device import DEVICE, INTERPRET
@@ -80,6 +81,8 @@ def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The body of ``softmax_course::softmax``: rows in, the fused forward launch, rows out."""
     if x.numel() == 0:
         return torch.empty_like(x)
+    if not recipes.plain((x,)) and _runs_eager("forward", dim, x):
+        return _eager_softmax_op(x, dim)  # traced, and best run by the eager launch (below)
     if columns.takes_columns(dim, x):
         y = _new_output(x)
         columns.launch_columns_forward(x, y, dim)
@@ -94,6 +97,8 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     """The body of ``softmax_course::softmax_backward``."""
     if y.numel() == 0:
         return torch.empty_like(y)
+    if not recipes.plain((y, dy)) and _runs_eager("backward", dim, y, dy):
+        return _eager_softmax_backward_op(y, dy, dim)
     if columns.takes_columns(dim, y, dy):
         dx = _new_output(y)
         columns.launch_columns_backward(y, dy, dx, dim)
@@ -108,10 +113,16 @@ _softmax_op = _operator("softmax_course::softmax", _forward)
 _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 
-# Inductor builds a user's Triton kernel with its num_warps and num_stages only, so a plan that caps its kernel's
-# registers (Triton's maxnreg, ``plans.Plan.max_registers``) would compile uncapped there, step down to narrower pieces
-# and run up to 0.04 of copy slower (results/README.md, "Under torch.compile the register caps would be lost"). A traced
-# call whose rows take such a plan is recorded as one of these opaque operators instead, and runs the eager launch.
+# Two kinds of traced call are recorded as opaque operators that run the eager launch, rather than as the kernels:
+# - A size or stride that torch.compile traces as a symbol (dynamic shapes: dynamic=True, or a length that changed
+#   between calls). A plan is made for numbers, so planning would fix the graph to one length and compile another at
+#   the next (a decode loop's growing scores, and torch.compile gives up after 8). Opaque, one graph takes every length.
+# - Rows whose plan caps its kernel's registers (Triton's maxnreg, ``plans.Plan.max_registers``). Inductor builds a
+#   user's Triton kernel with its num_warps and num_stages only, so the pieces would compile uncapped, step down to
+#   narrower ones and run up to 0.04 of copy slower (results/README.md, "Under torch.compile the register caps would
+#   be lost").
+# The choice is made in the operators' bodies, where a traced size is a number or visibly a symbol: to Dynamo, which
+# runs ``softmax`` itself, every SymInt is an int.
 def _output_like(t: torch.Tensor, dim: int, *others: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor laid out as ``_forward`` or ``_backward`` lays out its result: the fake implementation
     of the opaque operators."""
@@ -120,30 +131,46 @@ def _output_like(t: torch.Tensor, dim: int, *others: torch.Tensor) -> torch.Tens
     return _unrows(_new_rows(*_rows(t, dim).shape, like=t), t, dim)
 
 
-def _capped_rows(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether the rows of ``t`` (and ``others``) over ``dim`` take a plan that caps its kernel's registers."""
+def _symbolic(*tensors: torch.Tensor) -> bool:
+    """Whether torch.compile traces any size or stride of these tensors as a symbol."""
+    return not all(is_concrete_int(n) for t in tensors for n in (*t.shape, *t.stride()))
+
+
+def _runs_eager(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether a traced call over ``dim`` of ``t`` (and ``others``) is recorded as an opaque operator (above)."""
+    if _symbolic(t, *others):
+        return True
     if t.numel() == 0 or columns.takes_columns(dim, t, *others):
         return False
     return plans.plan_for(t.shape[dim], phase, t.element_size()).max_registers is not None
 
 
-def _capped_forward(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``_forward``, which a compiled graph may run in its CUDA-graph memory pool (``recipes.in_graph_pool``)."""
-    with recipes.in_graph_pool:
-        return _forward(x, dim)
+def _eager_forward(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A plain call of ``softmax`` (its launch kept per layout, below), which a compiled graph may run in its
+    CUDA-graph memory pool (``recipes.in_graph_pool``)."""
+    with recipes.in_graph_pool, torch.no_grad():
+        return softmax(x, dim)
 
 
-def _capped_backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
-    """``_backward``, which a compiled graph may run in its CUDA-graph memory pool."""
-    with recipes.in_graph_pool:
-        return _backward(y, dy, dim)
+def _eager_backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    """A plain call of ``softmax_backward``, which a compiled graph may run in its CUDA-graph memory pool."""
+    with recipes.in_graph_pool, torch.no_grad():
+        return softmax_backward(y, dy, dim)
 
 
-_capped_softmax_op = torch.library.custom_op("softmax_course::softmax_capped", _capped_forward, mutates_args=())
-_capped_softmax_op.register_fake(_output_like)
-_capped_softmax_backward_op = torch.library.custom_op("softmax_course::softmax_backward_capped", _capped_backward,
-                                                      mutates_args=())
-_capped_softmax_backward_op.register_fake(lambda y, dy, dim: _output_like(y, dim, dy))
+# Defined through ``torch.library.Library`` rather than ``custom_op``, whose Python layers (autograd, aliasing checks)
+# cost a compiled call tens of microseconds on the H100's host. They are called only inside the operators above, below
+# autograd, so they need no autograd of their own.
+_library = torch.library.Library("softmax_course", "FRAGMENT")
+_library.define("softmax_eager(Tensor x, int dim) -> Tensor")
+_library.define("softmax_backward_eager(Tensor y, Tensor dy, int dim) -> Tensor")
+_library.impl("softmax_eager", _eager_forward, "CompositeExplicitAutograd")
+_library.impl("softmax_backward_eager", _eager_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("softmax_course::softmax_eager", _output_like, lib=_library)
+torch.library.register_fake("softmax_course::softmax_backward_eager", lambda y, dy, dim: _output_like(y, dim, dy),
+                            lib=_library)
+_eager_softmax_op = torch.ops.softmax_course.softmax_eager.default
+_eager_softmax_backward_op = torch.ops.softmax_course.softmax_backward_eager.default
 
 
 def _traced(*tensors: torch.Tensor) -> bool:
@@ -153,8 +180,8 @@ def _traced(*tensors: torch.Tensor) -> bool:
 
 
 # Plain calls (torch.Tensors, outside autograd and torch.compile) of a layout seen before go straight to its launch.
-# The first call of a layout (shapes, strides, dtypes, device, dim, 16-byte starts) is checked and planned on its way
-# to the kernels, then leaves its launch here under that key: a call of the same key passes the same checks and plans
+# The first call of a layout (shapes, strides, dtypes, device, dim, 16-byte starts) is checked and planned into its
+# launch, which it leaves here under that key and then runs: a call of the same key passes the same checks and plans
 # the same. A forward's key has 6 entries and a backward's 10, so they never meet.
 _plain_calls: dict[tuple, object] = {}
 _new_output = torch.empty_like  # a plain call's output, laid out as its input. Tests replace it, as _new_rows
@@ -216,12 +243,12 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     if _traced(x):
-        return (_capped_softmax_op if _capped_rows("forward", dim, x) else _softmax_op)(x, dim)
+        return _softmax_op(x, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return Softmax.apply(x, dim)  # the operator's autograd, without its dispatcher; its forward comes back here
-    y = _forward(x, dim)
-    _remember(key, _forward_call(x, dim))
-    return y
+    call = _forward_call(x, dim)
+    _remember(key, call)
+    return call(x, x_ptr)
 
 
 def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -245,14 +272,11 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
-    if _traced(y, dy):
-        op = _capped_softmax_backward_op if _capped_rows("backward", dim, y, dy) else _softmax_backward_op
-        return op(y, dy, dim)
-    if torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad):
+    if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
         return _softmax_backward_op(y, dy, dim)
-    dx = _backward(y, dy, dim)
-    _remember(key, _backward_call(y, dy, dim))
-    return dx
+    call = _backward_call(y, dy, dim)
+    _remember(key, call)
+    return call(y, dy, y_ptr, dy_ptr)
 
 
 class Softmax(torch.autograd.Function):
@@ -276,7 +300,6 @@ class Softmax(torch.autograd.Function):
 
 # The operator's autograd is this Function's: the same context and backward, registered once (notebook 08).
 torch.library.register_autograd("softmax_course::softmax", Softmax.backward, setup_context=Softmax.setup_context)
-torch.library.register_autograd("softmax_course::softmax_capped", Softmax.backward, setup_context=Softmax.setup_context)
 
 
 class GraphSoftmax(torch.autograd.Function):

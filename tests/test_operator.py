@@ -6,7 +6,9 @@ On a GPU the ops are triton_ops that torch.compile traces into; under Triton's i
 
 import pytest
 import torch
-from conftest import ON_GPU, randn, run_with_timeout, traced_by_torch
+from conftest import ON_GPU, randn, run_with_timeout, torch_backward, traced_by_torch
+from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import helpers
 from helpers import model
@@ -50,30 +52,67 @@ def test_opcheck_long_rows(looped):
     assert set(torch.library.opcheck(BACKWARD, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
 
 
-def test_capped_plans_trace_as_opaque_operators(looped):
-    """A traced call whose rows take a plan with a register cap (Inductor would build its kernel without it) is
-    recorded as an opaque operator that runs the eager launch: the 16-bit forward's wide pieces and the backward's
-    16 KB pieces here, with ``looped``'s small pieces. Its fake implementation lays the output out as the launch does
-    (opcheck), and it trains like the traced operator."""
+def traced_operators(fn, tracing_mode: str, *args) -> set[str]:
+    """The operators a trace of ``fn`` calls: of the operators' bodies, as torch.compile traces them on a GPU, with
+    sizes as numbers ("fake") or as symbols ("symbolic", torch.compile's dynamic shapes)."""
+    return {str(node.target) for node in make_fx(fn, tracing_mode=tracing_mode)(*args).graph.nodes}
+
+
+def test_eager_operators_where_a_traced_plan_would_not_hold(looped):
+    """A traced call is recorded as an opaque operator that runs the eager launch where its rows' plan caps the
+    kernel's registers (Inductor would build the kernel without the cap: the 16-bit forward's wide pieces and the
+    backward's 16 KB pieces here, with ``looped``'s small pieces) and where a size is a symbol (a plan would fix the
+    graph to one length). Their fake implementations lay the output out as the launch does (opcheck), and a compiled
+    step trains like eager."""
     x16, x32 = randn(6, 100, dtype=torch.bfloat16), randn(6, 100)
     assert helpers.plans.plan_for(100, "forward", 2).max_registers is not None
     assert helpers.plans.plan_for(100, "forward", 4).max_registers is None
     assert helpers.plans.plan_for(100, "backward", 4).max_registers is not None
-    capped_forward = torch.ops.softmax_course.softmax_capped.default
-    capped_backward = torch.ops.softmax_course.softmax_backward_capped.default
-    assert set(torch.library.opcheck(capped_forward, (x16.clone().requires_grad_(), -1)).values()) == {"SUCCESS"}
+    eager_forward = torch.ops.softmax_course.softmax_eager.default
+    eager_backward = torch.ops.softmax_course.softmax_backward_eager.default
+    for x, dim in ((x16, -1), (x32.t(), 0), (x32.t().contiguous(), 0)):  # rows, rows of a view, columns
+        assert set(torch.library.opcheck(eager_forward, (x, dim)).values()) == {"SUCCESS"}
     y = torch.softmax(x32, -1)
-    assert set(torch.library.opcheck(capped_backward, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
-    for x, op in ((x16, "softmax_course.softmax_capped.default"), (x32, "softmax_course.softmax.default")):
-        code = torch._dynamo.explain(lambda x: helpers.softmax(x * 0.5, -1))(x).graphs[0].code
-        assert op in code, code
+    assert set(torch.library.opcheck(eager_backward, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
+
+    forward, backward = helpers.ops._forward, helpers.ops._backward
+    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1), "fake", x16)
+    assert not any("eager" in op for op in traced_operators(lambda x: forward(x, 1), "fake", x32))
+    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1), "symbolic", x32)
+    assert "softmax_course.softmax_backward_eager.default" in traced_operators(lambda y, dy: backward(y, dy, 1),
+                                                                               "fake", y, y)
     torch._dynamo.reset()
     x = x32.clone().requires_grad_()
     dy = randn(6, 100)
     (expected,) = torch.autograd.grad(helpers.softmax(x * 0.5, -1), x, dy)
     compiled = torch.compile(lambda x: helpers.softmax(x * 0.5, -1), backend="aot_eager", fullgraph=True)
-    (dx,) = torch.autograd.grad(compiled(x), x, dy)  # its backward: the opaque capped operator
+    (dx,) = torch.autograd.grad(compiled(x), x, dy)
     torch.testing.assert_close(dx, expected)
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_compiled_growing_length(looped, dim):
+    """A softmax dim that grows call by call, as the scores of a decode loop's attention do, under
+    torch.compile(fullgraph=True): torch.compile traces the length as a symbol from its second value on, and the
+    call then runs as the opaque eager operator, so the graphs compiled stay few (torch.compile refuses a ninth, and
+    fullgraph then fails) while forward and backward match eager at every length. Rows (tile and split, ``looped``'s
+    pieces) and columns, on CPU through AOTAutograd's eager backend (the GPU test: Inductor)."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x: helpers.softmax(x * 0.5, dim), backend="aot_eager", fullgraph=True)
+    lengths = (5, 12, 17, 40, 100, 257, 600, 1000, 1500, 2100)
+    for n in lengths:
+        x = (randn(3, n) if dim == -1 else randn(n, 3)).requires_grad_()
+        dy = torch.randn_like(x)
+        y = compiled(x)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        expected = torch.softmax(x.detach().double() * 0.5, dim)
+        torch.testing.assert_close(y, expected.float())
+        torch.testing.assert_close(dx, torch_backward(expected, dy, dim).float() * 0.5)
+    # The first length's graph, then one for every layout of the output: columns held whole give one laid out as x,
+    # a dim too long to hold (and too few columns to walk) is moved last as rows.
+    layouts = 1 if dim == -1 else 1 + any(n > helpers.columns.MAX_HELD for n in lengths[1:])
+    assert counters["stats"]["unique_graphs"] == 1 + layouts, counters["stats"]
 
 
 def attention_probabilities(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -144,7 +183,7 @@ options = dict(fullgraph=True, dynamic=mode == "dynamic", mode="reduce-overhead"
 # the opaque operator of a plan with a register cap)
 CASES = [((1000,), -1, torch.float32, "softmax_tile_kernel"), ((50257,), -1, torch.float32, "softmax_split_kernel"),
          ((131072,), -1, torch.float32, "softmax_split_kernel"),
-         ((65536,), -1, torch.bfloat16, "softmax_course.softmax_capped"),
+         ((65536,), -1, torch.bfloat16, "softmax_course.softmax_eager"),
          ((2**22 + 3,), -1, torch.float32, "softmax_two_pass_kernel"),
          ((3000, 2048), 1, torch.float32, "softmax_column_split_kernel")]
 
@@ -178,3 +217,43 @@ for shape, dim, dtype, kernel in CASES:
 def test_compiled_every_row_length(mode):
     stdout = run_with_timeout(COMPILED_ROWS, mode, timeout=600)
     assert stdout.count(" ok") == 6, stdout
+
+
+# A row length that grows call by call through every kernel a length takes: tiles, splits (bf16 65536's forward and
+# fp32 151936's backward with register caps), the two passes (2**22 + 3); a graph for the first length, one for the
+# symbol that every later length is. In a subprocess whose timeout fails the test if a launch waits forever.
+GROWING_ROWS = r"""
+import sys
+import torch
+import helpers
+from torch._dynamo.utils import counters
+
+dtype, mode = getattr(torch, sys.argv[1]), None if sys.argv[2] == "default" else sys.argv[2]
+
+
+def scaled_softmax(x):
+    return helpers.softmax(x * 0.5, -1)
+
+
+compiled = torch.compile(scaled_softmax, fullgraph=True, mode=mode)
+for n in (5, 100, 1000, 3000, 16384, 16385, 50257, 65536, 151936, 2**22 + 3):
+    x = torch.randn(2, n, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, n, device="cuda", dtype=dtype)
+    expected = scaled_softmax(x)
+    (expected_dx,) = torch.autograd.grad(expected, x, dy)
+    for _ in range(3 if mode else 1):  # CUDA graphs record on a later call than the first, then replay
+        y = compiled(x)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    tolerance = dict(atol=1e-7, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(y, expected, **tolerance)
+    torch.testing.assert_close(dx, expected_dx, **tolerance)
+print("graphs", counters["stats"]["unique_graphs"], flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor compiles the traced Triton kernels only for a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_growing_row_length(dtype, mode):
+    stdout = run_with_timeout(GROWING_ROWS, dtype, mode, timeout=600)
+    assert "graphs 2" in stdout.splitlines(), stdout
