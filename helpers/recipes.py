@@ -51,13 +51,29 @@ class Step:
                **compile_options(self.num_warps, self.max_registers))
 
     def prepare(self, tensors: tuple[torch.Tensor, ...]):
-        """Compile for ``tensors`` (or find the kernel in Triton's cache) and make ``direct``."""
-        compiled = self.kernel.warmup(*tensors, *self.ints, **self.constexprs, grid=(self.grid,),
-                                      **compile_options(self.num_warps, self.max_registers))
-        compiled[(self.grid, 1, 1)]  # loads the module: the kernel's function handle and launcher
+        """Find the kernel's build for ``tensors`` (``_builds``; else compile it, or find it in Triton's cache) and
+        make ``direct``."""
+        key = (self.kernel, self.num_warps, self.max_registers, tensors[0].get_device(), *self.constexprs.items(),
+               *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+               *[(i == 1, i % 16 == 0, -2**31 <= i < 2**31) for i in self.ints])
+        compiled = _builds.get(key)
+        if compiled is None:
+            compiled = self.kernel.warmup(*tensors, *self.ints, **self.constexprs, grid=(self.grid,),
+                                          **compile_options(self.num_warps, self.max_registers))
+            compiled[(self.grid, 1, 1)]  # loads the module: the kernel's function handle and launcher
+            if len(_builds) >= MAX_RECIPES:
+                _builds.clear()
+            _builds[key] = compiled
         constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(tensors) + len(self.ints):])
         self.direct = _direct_launch(compiled, self.grid, (*self.ints, *constants))
         return self.direct
+
+
+# Compiled kernels by what Triton specialises a build on: the kernel, its options and constexprs, each tensor's dtype
+# and whether it starts on 16 bytes, and each integer's type (32 or 64 bits) and whether it is 1 or a multiple of 16.
+# A new layout built as one seen before (a row length that grows call by call) skips Triton's warmup, 20-50 us of the
+# H100 host's time (results/README.md, "Row lengths that torch.compile traces as symbols").
+_builds: dict[tuple, object] = {}
 
 
 def _direct_launch(compiled, grid: int, scalars: tuple):

@@ -124,3 +124,19 @@ def test_repeat_calls_of_a_layout(monkeypatch, make_input, dim):
     x = make_input().requires_grad_()
     helpers.softmax(x, dim).backward(dy)
     torch.testing.assert_close(x.grad.double(), torch_backward(torch.softmax(x.detach(), dim), dy, dim), **tolerance)
+
+
+@pytest.mark.skipif(not helpers.recipes.LAUNCH_DIRECTLY, reason="builds are kept for the GPU's direct launches")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_growing_lengths_share_builds(dtype):
+    """A row length that grows call by call reuses the kernel builds of earlier lengths (``recipes._builds``), each
+    only where Triton would specialise it alike: lengths and row starts that are multiples of 16 and those that are
+    not, in turns, every call checked against torch."""
+    lengths = [1000, 1001, 1008, 1009, 1024, 999, 1040, 1041, 1056, 1017]
+    builds_before = len(helpers.recipes._builds)
+    for n_cols in lengths:
+        x = randn(3, n_cols + 5, dtype=dtype)
+        check_forward(x[:, :n_cols])  # rows n_cols + 5 apart: a start on 16 bytes for every other row
+        check_forward(x[:, 5:5 + n_cols])  # a start off 16 bytes
+        check_forward(randn(3, n_cols, dtype=dtype))
+    assert len(helpers.recipes._builds) - builds_before < 3 * len(lengths)
