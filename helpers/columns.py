@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import exchange, recipes, residency
+from . import exchange, plans, recipes, residency
 from .column_split import column_piece, softmax_backward_column_split_kernel, softmax_column_split_kernel
 from .kernels import upcast
 from .tiles import KEEP_IN_L2, LOG2E
@@ -103,20 +103,20 @@ def split_plans(n_reduced: int, element_size: int, n_inputs: int) -> list[Column
     else:
         pieces = [(BACKWARD_PIECE, MAX_BACKWARD_PIECES, 1), (TALL_BACKWARD_PIECE, MAX_TALL_PIECES, 1),
                   (LONG_BACKWARD_PIECE, None, 1)]
-    return [ColumnPlan(rows, run_bytes // element_size, warps, segments=triton.cdiv(n_reduced, rows), levels=levels)
+    return [ColumnPlan(rows, run_bytes // element_size, warps, segments=plans.cdiv(n_reduced, rows), levels=levels)
             for (rows, run_bytes, warps), most, levels in pieces
-            if most is None or triton.cdiv(n_reduced, rows) <= most]
+            if most is None or plans.cdiv(n_reduced, rows) <= most]
 
 
 def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -> ColumnPlan:
     """A block that holds the whole dim."""
-    block_r = triton.next_power_of_2(n_reduced)
+    block_r = plans.next_power_of_2(n_reduced)
     if n_inputs == 1:
         columns = NARROW_COLUMNS if block_r >= LONG_COLUMN else WIDE_COLUMNS
     else:
         columns = (NARROW_RUN_BYTES if block_r >= LONG_COLUMN else WIDE_RUN_BYTES) // element_size
-    block_c = max(MIN_COLUMNS, min(columns, triton.next_power_of_2(n_inner)))
-    warps = triton.next_power_of_2(max(1, block_r * block_c * element_size * n_inputs // WARP_BYTES))
+    block_c = max(MIN_COLUMNS, min(columns, plans.next_power_of_2(n_inner)))
+    warps = plans.next_power_of_2(max(1, block_r * block_c * element_size * n_inputs // WARP_BYTES))
     return ColumnPlan(block_r, block_c, num_warps=min(16, max(2, warps)))
 
 
@@ -130,7 +130,7 @@ def takes_columns(dim: int, *tensors: torch.Tensor) -> bool:
     n_outer, n_reduced, n_inner = _sizes(t, dim)
     fits_int32 = n_reduced * n_inner < 2**31  # the kernels' offsets within one outer index are 32-bit
     return n_inner > 1 and fits_int32 and (n_reduced <= MAX_HELD
-                                           or n_outer * triton.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS)
+                                           or n_outer * plans.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS)
 
 
 def _sizes(t: torch.Tensor, dim: int) -> tuple[int, int, int]:
@@ -240,7 +240,7 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
         plan = WALKED
     elif plan.segments > 1:
         plan = _held_plan(n_reduced, n_inner, inputs[0].element_size(), len(inputs))
-    grid = n_outer * triton.cdiv(n_inner, plan.block_c)
+    grid = n_outer * plans.cdiv(n_inner, plan.block_c)
     kernel = walked if plan.looped else held
     return recipes.Recipe((), (recipes.Step(kernel, grid, (n_reduced, n_inner), dict(BLOCK_R=plan.block_r,
                                                                                   BLOCK_C=plan.block_c),
@@ -253,14 +253,14 @@ def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n
     its programs do not fit the GPU together or a piece spans 2**31 elements."""
     if plan.block_r * n_inner >= 2**31:
         return None
-    n_groups = n_outer * triton.cdiv(n_inner, plan.block_c)
+    n_groups = n_outer * plans.cdiv(n_inner, plan.block_c)
     ints = (n_groups, n_reduced, n_inner)
-    constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments),
+    constexprs = dict(SEGMENTS=plan.segments, SEGMENTS_POW2=plans.next_power_of_2(plan.segments),
                       BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, PHASE=exchange.FUSED.value)
     group_slots, interpreted = plan.segments * plan.block_c, (exchange.STATISTICS, exchange.FINISH)
     if len(operands) == 2:  # the forward: room for finals; in two levels each program merges JOB_COLUMNS columns
         constexprs.update(LEVELS=plan.levels,
-                          JOB_COLUMNS=triton.next_power_of_2(triton.cdiv(plan.block_c, plan.segments)))
+                          JOB_COLUMNS=plans.next_power_of_2(plans.cdiv(plan.block_c, plan.segments)))
         group_slots += plan.block_c
         if plan.levels == 2:
             interpreted = (exchange.STATISTICS, exchange.MERGE, exchange.FINISH)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
 from . import exchange, plans, recipes, residency, split_rows, tiles, two_pass
 from .device import INTERPRET
@@ -64,7 +63,7 @@ def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: p
 def _tile_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan: plans.Plan) -> recipes.Recipe:
     n_rows = ints[-2]
     constexprs = dict(ROWS=plan.rows, BLOCK_N=plan.block_n)
-    n_tiles = triton.cdiv(n_rows, plan.rows)
+    n_tiles = plans.cdiv(n_rows, plan.rows)
     if INTERPRET:
         grid = min(n_tiles, residency.CPU_PROGRAMS)
     elif plan.persistent:
@@ -127,7 +126,7 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
 
     def constexprs_for(plan, even=True):
         piece = plans.piece_length(n_cols, plan, align, element_size) if even else plan.block_n
-        return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=triton.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
+        return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=plans.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
                     ALIGN=align, PIECE=piece, PHASE=exchange.FUSED.value)
 
     def compiled(plan):

@@ -195,35 +195,38 @@ def _remember(key: tuple, call) -> None:
 
 def _forward_call(x: torch.Tensor, dim: int):
     """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for contiguous rows (softmax over
-    the last dim of a contiguous tensor) its recipe launched on ``x`` and an output laid out as ``x``."""
+    the last dim of a contiguous tensor) its recipe launched on ``x`` into ``y``, by default a new output laid out as
+    ``x``. Also the output the recipe was planned with (else None), for this first call to write into."""
     if x.numel() == 0 or not x.is_contiguous() or dim != x.ndim - 1:
-        return lambda x, x_ptr: _forward(x, dim)
-    x_rows = _rows(x, dim)
-    recipe = recipes.recipe_for(fused.forward_recipe, (_new_rows(*x_rows.shape, like=x), x_rows))
+        return (lambda x, x_ptr, y=None: _forward(x, dim)), None
+    first_y = _new_output(x)
+    recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
     device = x.get_device()
 
-    def launch(x: torch.Tensor, x_ptr: int) -> torch.Tensor:
-        y = _new_output(x)
+    def launch(x: torch.Tensor, x_ptr: int, y: torch.Tensor | None = None) -> torch.Tensor:
+        if y is None:
+            y = _new_output(x)
         recipe.launch((y, x), (y.data_ptr(), x_ptr), device)
         return y
 
-    return launch
+    return launch, first_y
 
 
 def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
     """``_forward_call`` for the backward."""
     if y.numel() == 0 or not (y.is_contiguous() and dy.is_contiguous()) or dim != y.ndim - 1:
-        return lambda y, dy, y_ptr, dy_ptr: _backward(y, dy, dim)
-    y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
-    recipe = recipes.recipe_for(fused.backward_recipe, (_new_rows(*y_rows.shape, like=y), y_rows, dy_rows))
+        return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim)), None
+    first_dx = _new_output(y)
+    recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
     device = y.get_device()
 
-    def launch(y: torch.Tensor, dy: torch.Tensor, y_ptr: int, dy_ptr: int) -> torch.Tensor:
-        dx = _new_output(y)
+    def launch(y: torch.Tensor, dy: torch.Tensor, y_ptr: int, dy_ptr: int, dx: torch.Tensor | None = None):
+        if dx is None:
+            dx = _new_output(y)
         recipe.launch((dx, y, dy), (dx.data_ptr(), y_ptr, dy_ptr), device)
         return dx
 
-    return launch
+    return launch, first_dx
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -246,9 +249,9 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return _softmax_op(x, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return Softmax.apply(x, dim)  # the operator's autograd, without its dispatcher; its forward comes back here
-    call = _forward_call(x, dim)
+    call, y = _forward_call(x, dim)
     _remember(key, call)
-    return call(x, x_ptr)
+    return call(x, x_ptr, y)
 
 
 def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -274,9 +277,9 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     dim = _dim_index(dim, y.ndim)
     if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
         return _softmax_backward_op(y, dy, dim)
-    call = _backward_call(y, dy, dim)
+    call, dx = _backward_call(y, dy, dim)
     _remember(key, call)
-    return call(y, dy, y_ptr, dy_ptr)
+    return call(y, dy, y_ptr, dy_ptr, dx)
 
 
 class Softmax(torch.autograd.Function):

@@ -5,9 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
-
 from .residency import REGISTER_BUDGET
+
+
+# Host arithmetic of the plans. Triton's own ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions,
+# usable inside kernels too, and cost the host 2-4 us a call through their wrapper: a new row length's plan took
+# several of them.
+def cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two at or above ``n`` (>= 1)."""
+    return 1 << (n - 1).bit_length()
 
 # A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
 # row just past a multiple of the piece), every piece takes an even share instead, so no program idles while the
@@ -62,7 +73,7 @@ def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
     a whole-row tile wins only where it loads 16 bytes at a time (rows a multiple of 16) and holds what it loads
     without spilling (not the fp32 backward's two rows), and never in a 16-bit forward, whose split is ahead even of
     a full tile (the H100's tuning; tests/test_steps.py checks it against the recorded sweeps)."""
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     if block <= ALWAYS_TILE_ROW:
         return True
     if block > MAX_TILE_ROW or (phase == "forward" and element_size == 2):
@@ -74,7 +85,7 @@ def takes_tile(n_cols: int, phase: str, element_size: int) -> bool:
 
 def tile_plan(n_cols: int) -> Plan:
     """A tile of whole rows of ``n_cols``: rows until the tile holds TILE_ELEMENTS, warps by its size."""
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     rows = max(1, TILE_ELEMENTS // block)
     warps = max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
     return Plan(rows, block, 1, warps)
@@ -110,7 +121,7 @@ def plan_for(n_cols: int, phase: str, element_size: int = 4, max_piece: int | No
     align = 16 // element_size if n_cols % 16 else 1
     block_n = widest_piece(n_cols, phase, element_size, align)
     block_n = min(block_n, max(max_piece or block_n, SEGMENT_ELEMENTS))
-    segments = triton.cdiv(n_cols + align - 1, block_n)
+    segments = cdiv(n_cols + align - 1, block_n)
     # Warps: a forward warp for each 4 KB of its piece, a backward warp for each 2 KB of each of y and dy; few per
     # piece keep many pieces resident. The fp32 forward's narrow pieces take 2, and 4 once a row has 32.
     wide = block_n > SEGMENT_ELEMENTS
@@ -150,13 +161,13 @@ def piece_length(n_cols: int, plan: Plan, align: int, element_size: int) -> int:
     assert plan.block_n % chunk == 0, "an even share rounded up to whole chunks must stay within BLOCK_N"
     if full_pieces(window, plan.block_n, plan.full_padding):
         return plan.block_n
-    return triton.cdiv(triton.cdiv(window, plan.segments), chunk) * chunk
+    return cdiv(cdiv(window, plan.segments), chunk) * chunk
 
 
 def full_pieces(window: int, block_n: int, full_padding: float = EVEN_PADDING) -> bool:
     """Whether a row window of ``window`` positions cut into pieces of ``block_n`` leaves at most ``full_padding`` of
     its pieces' positions empty (``piece_length``)."""
-    pieces = triton.cdiv(window, block_n) * block_n
+    pieces = cdiv(window, block_n) * block_n
     return pieces - window <= full_padding * pieces
 
 
@@ -176,7 +187,7 @@ def few_rows_plan(n_rows: int, n_cols: int, phase: str, element_size: int) -> Pl
     if n_cols <= ALWAYS_TILE_ROW or (phase == "backward" and element_size > 2):
         return None
     align = 16 // element_size if n_cols % 16 else 1
-    segments = triton.cdiv(n_cols + align - 1, FEW_ROWS_PIECE)
+    segments = cdiv(n_cols + align - 1, FEW_ROWS_PIECE)
     if n_rows * segments > FEW_PROGRAMS or segments <= plan_for(n_cols, phase, element_size).segments:
         return None
     return Plan(1, FEW_ROWS_PIECE, segments, FEW_ROWS_WARPS, persistent=True, align=align)

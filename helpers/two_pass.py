@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import plans
 from .device import INTERPRET
 from .exchange import FINISH, STATISTICS
 from .kernels import upcast
@@ -123,9 +124,9 @@ TWO_PASS_WARPS = 8
 def two_pass_chunks(n_cols: int, element_size: int) -> tuple[int, int, int]:
     """(block elements, chunks per row, blocks per chunk) of the two-pass kernels for rows of ``n_cols``."""
     block_n = TWO_PASS_BLOCK_BYTES // element_size
-    blocks = triton.cdiv(n_cols, block_n)
-    chunk_blocks = triton.cdiv(blocks, MAX_CHUNKS)
-    return block_n, triton.cdiv(blocks, chunk_blocks), chunk_blocks
+    blocks = plans.cdiv(n_cols, block_n)
+    chunk_blocks = plans.cdiv(blocks, MAX_CHUNKS)
+    return block_n, plans.cdiv(blocks, chunk_blocks), chunk_blocks
 
 
 # How much of L2 the statistics launch asks to keep for the finish: the blocks its last programs read, which the finish
@@ -148,5 +149,5 @@ def two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], strides: tuple, 
     buffers = tuple(Buffer(n_rows * chunks, dtype) for _ in range(partials))
     return Recipe(buffers, tuple(
         Step(kernel, n_rows * chunks, (*strides, n_cols, chunks, chunk_blocks, kept_programs),
-             dict(CHUNKS_POW2=triton.next_power_of_2(chunks), BLOCK_N=block_n, PHASE=phase.value), TWO_PASS_WARPS)
+             dict(CHUNKS_POW2=plans.next_power_of_2(chunks), BLOCK_N=block_n, PHASE=phase.value), TWO_PASS_WARPS)
         for phase in (STATISTICS, FINISH)))
