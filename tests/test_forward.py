@@ -126,6 +126,27 @@ def test_repeat_calls_of_a_layout(monkeypatch, make_input, dim):
     torch.testing.assert_close(x.grad.double(), torch_backward(torch.softmax(x.detach(), dim), dy, dim), **tolerance)
 
 
+def test_a_call_allocates_only_its_output(monkeypatch):
+    """A plain call of contiguous rows, the first of its layout or a repeat, forward or backward, allocates its output
+    and nothing else: the first plans with the output it then writes."""
+    made = []
+
+    def counted(like):
+        made.append(like.shape)
+        return torch.full_like(like, float("nan"))
+
+    monkeypatch.setattr(ops, "_new_output", counted)
+    monkeypatch.setattr(ops, "_new_rows", lambda *args, **kwargs: pytest.fail("a plain call of rows planned with "
+                                                                                 "rows of its own"))
+    monkeypatch.setattr(helpers.recipes, "_recipes", {})
+    for _ in range(2):  # the layout's first call, then a repeat
+        x, dy = randn(3, 1, 37), randn(3, 1, 37)
+        y = check_forward(x, -1)
+        dx = helpers.softmax_backward(y, dy, -1)
+        torch.testing.assert_close(dx.double(), torch_backward(y, dy, -1), atol=1e-6, rtol=1e-5)
+    assert made == [x.shape] * 4
+
+
 @pytest.mark.skipif(not helpers.recipes.LAUNCH_DIRECTLY, reason="builds are kept for the GPU's direct launches")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_growing_lengths_share_builds(dtype):

@@ -7,6 +7,7 @@ import statistics
 import matplotlib
 import pytest
 import torch
+import triton
 
 import helpers
 from helpers import bench, figures, plans, steps
@@ -58,6 +59,15 @@ def test_recorded_profiles():
         assert set(steps.stall_reasons(profile)) == set(steps.STALLS)
         assert 0 < float(profile["gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"]) <= 100
     assert len(steps.profile_figure(profiles).axes) == len(profiles)
+
+
+def test_host_arithmetic_is_tritons():
+    """The plans' host arithmetic, in plain Python for a new layout's planning time, gives what Triton's own
+    ``cdiv`` and ``next_power_of_2`` give."""
+    for n in [*range(1, 70000, 37), 2**20 - 1, 2**20, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert plans.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 7, 16, 2048, 4096):
+            assert plans.cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
 def _tile_and_split(tuning, phase, dtype, n):
