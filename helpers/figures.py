@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
-import matplotlib.ticker
 
 from .bench import RESULTS_DIR, Result, load_results, load_tuning, select
 

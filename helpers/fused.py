@@ -95,9 +95,9 @@ def _on_16_bytes(t: torch.Tensor) -> bool:
 # 36880 spill two under the 16-bit forward's cap and run 0.020-0.024 of copy faster (results/README.md, "Even pieces").
 EVEN_SPILL_ALLOWANCE = 2
 # A split whose groups leave more than 1 - ROW_FILL of the programs the GPU holds idle while rows wait takes narrower
-# pieces, if theirs fill it better: fp32 backward rows of 151936 in pieces of 4096 run 6 groups of 38 programs where
-# the H100 holds 264 (0.964 of copy), in pieces of 2048 8 groups of 75 of 660 (0.988; results/README.md, "Wider
-# pieces").
+# pieces, if theirs fill it better: fp32 backward rows of 151936 in pieces of 4096 on 8 warps ran 6 groups of 38
+# programs where the H100 holds 264 (0.964 of copy), in pieces of 2048 8 groups of 75 of 660 (0.988; results/README.md,
+# "Wider pieces"). The plan now gives those pieces 4 warps under a register cap: 10 groups of 38 fill 380 of 396.
 ROW_FILL = 0.9
 
 

@@ -1,9 +1,10 @@
 """The public softmax ops: shape, dtype and stride handling around the kernels, and the autograd wrapper.
 
 Any rank and dim. Softmax over another dim than the last of contiguous tensors takes the column kernels
-(``helpers.columns``: held whole, or walked where enough programs share the work), and its output is laid out as its
-input. Otherwise the softmax dim is moved last and the rest flattened into rows, a view when strides allow it and a copy
-otherwise, and the output is fresh contiguous rows viewed back into the input's shape. Inputs are never written.
+(``helpers.columns``: held whole, split into pieces that exchange partials (``helpers.column_split``), or walked), and
+its output is laid out as its input. Otherwise the softmax dim is moved last and the rest flattened into rows, a view
+when strides allow it and a copy otherwise, and the output is fresh contiguous rows viewed back into the input's shape.
+Inputs are never written.
 """
 
 from __future__ import annotations

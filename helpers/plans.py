@@ -22,8 +22,8 @@ def next_power_of_2(n: int) -> int:
 
 # A split's last piece holds the rest of the row. Where that leaves more than EVEN_PADDING of the row's pieces empty (a
 # row just past a multiple of the piece), every piece takes an even share instead, so no program idles while the
-# others set the pace; elsewhere the full pieces compile leaner. The backward's pieces of 16 KB take even shares
-# wherever a row leaves any padding (results/README.md, "Even pieces").
+# others set the pace; elsewhere the full pieces compile leaner. The backward's pieces of 16 KB take even shares at
+# any padding, where the plan gives them that shape (WIDE_BACKWARD_PADDING below; results/README.md, "Even pieces").
 EVEN_PADDING = 1 / 32
 
 
@@ -48,7 +48,8 @@ class Plan:
 
 
 # Shapes read off the tuning sweeps and side-by-side H100 timings: good at every length rather than best at one and
-# poor at the next. The measurements behind each choice: results/README.md, "Why the plan is what it is".
+# poor at the next. The measurements behind each choice: results/README.md, "Appendix: why the plan's numbers are
+# what they are".
 TILE_ELEMENTS = 1024  # short rows: whole rows per program until a tile holds this many elements
 ELEMENTS_PER_THREAD = 16  # tile kernels: warps = elements / (32 * this), 1 to 16 (a row of 32768: 64 a thread)
 # Rows up to ALWAYS_TILE_ROW take a whole-row tile, rows past MAX_TILE_ROW are split across programs, and between

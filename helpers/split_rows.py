@@ -125,7 +125,7 @@ def softmax_split_kernel(
     in order, so the lowest row waited on is taken, in every segment, by programs that wait on nothing lower (while
     every segment has a program on the GPU: ``residency.split_grid``).
     """
-    tl.static_assert(x_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
+    tl.static_assert(x_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: two-pass kernel")
     program, parity, launch = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     counter = part_ptr + n_rows * SEGMENTS + 1 + segment
@@ -183,7 +183,7 @@ def softmax_backward_split_kernel(
     """Backward for long rows: SEGMENTS programs share a row and exchange only their part of sum(y * dy) (packed
     with a 0 that carries the tag), with the forward's row window, row counters and one-row-behind pipeline; pieces
     of y and dy stay as loaded until dx."""
-    tl.static_assert(y_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: looped kernel")
+    tl.static_assert(y_ptr.dtype.element_ty != tl.float64, "fp64 partials do not fit a packed word: two-pass kernel")
     program, parity, launch = take_ticket(part_ptr + n_rows * SEGMENTS, PHASE)
     segment = program % SEGMENTS
     counter = part_ptr + n_rows * SEGMENTS + 1 + segment

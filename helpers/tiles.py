@@ -1,6 +1,7 @@
 """Tiles (notebook 06): whole rows per program, for rows that fit on chip. Short rows get many rows per program, so
-that every program moves enough bytes; mid rows get one. The kernels are persistent: a grid sized to fill the GPU once,
-each program looping over its tiles. ``LOG2E``, ``KEEP_IN_L2`` and ``upcast_again`` serve every fused kernel."""
+that every program moves enough bytes; mid rows get one. Each program loops over its tiles, so a grid may be sized to
+fill the GPU once (``Plan.persistent``); on a GPU the course's plans launch one program per tile, on CPU a few
+programs loop. ``LOG2E``, ``KEEP_IN_L2`` and ``upcast_again`` serve every fused kernel."""
 
 import triton
 import triton.language as tl

@@ -1,8 +1,8 @@
-"""The tuning sweep behind ``helpers.fused``'s plans: ``python -m helpers.tune`` (GPU only).
+"""The tuning sweep behind the course's plans (``helpers.plans``): ``python -m helpers.tune`` (GPU only).
 
 For each row length, phase and dtype it times the candidate shapes of the fused kernels (rows per program, elements
 per thread, hence warps; for long rows the segment each program holds) and writes every timing to
-``results/<gpu>-tuning.csv``, printing the best shape per case. The constants in ``helpers.fused`` are read off it.
+``results/<gpu>-tuning.csv``, printing the best shape per case. The constants in ``helpers.plans`` are read off it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ N_VALUES = (256, 1024, 4096, 16384, 32768, 50257, 65536, 131072, 151936, 262144)
 def candidate_plans(n_cols: int, element_size: int) -> list[plans.Plan]:
     block = triton.next_power_of_2(n_cols)
     aligns = (1, 16 // element_size) if n_cols % 16 else (1,)  # rows off 16-byte boundaries: pieces aligned or not
-    plans = set()
+    candidates = set()
     for per_thread in ELEMENTS_PER_THREAD:
         def warps(elements, per_thread=per_thread):
             return max(1, min(32, elements // (32 * per_thread)))
@@ -34,13 +34,13 @@ def candidate_plans(n_cols: int, element_size: int) -> list[plans.Plan]:
             for tile in TILE_ELEMENTS:
                 rows = max(1, tile // block)
                 for persistent in (False, True):
-                    plans.add(plans.Plan(rows, block, 1, warps(rows * block), persistent))
+                    candidates.add(plans.Plan(rows, block, 1, warps(rows * block), persistent))
         if n_cols > 4096:
             for segment in SEGMENT_ELEMENTS:
                 for align in aligns if segment < block else ():
                     segments = triton.cdiv(n_cols + align - 1, segment)
-                    plans.add(plans.Plan(1, segment, segments, warps(segment), True, align))
-    return sorted(plans, key=lambda p: (p.segments, p.rows, p.block_n, p.num_warps, p.persistent, p.align))
+                    candidates.add(plans.Plan(1, segment, segments, warps(segment), True, align))
+    return sorted(candidates, key=lambda p: (p.segments, p.rows, p.block_n, p.num_warps, p.persistent, p.align))
 
 
 def time_plan(phase: str, plan: plans.Plan, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> float:

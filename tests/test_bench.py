@@ -1,11 +1,12 @@
-"""The recorded GPU results the notebooks plot on CPU, and the figure code that draws them."""
+"""The recorded GPU results the notebooks plot on CPU, the figures drawn from them, and the tuning's candidates."""
 
 import csv
 
 import matplotlib
 import pytest
+import torch
 
-from helpers import bench, bench_attention, bench_calls, figures, figures_calls, flash_attention
+from helpers import DEVICE, bench, bench_attention, bench_calls, figures, figures_calls, flash_attention, fused, tune
 
 matplotlib.use("Agg")
 RESULTS = bench.load_results()
@@ -195,3 +196,23 @@ def test_recorded_grid_meets_the_bandwidth_targets():
         assert ours >= best - 0.01, (r.phase, r.dtype, r.N, ours, best)
         checked += 1
     assert checked == 2 * 3 * len(bench.GRID_N)
+
+
+@pytest.mark.parametrize("n_cols, element_size", [(1000, 4), (5000, 2), (50257, 2)])
+def test_tuning_candidates_cover_the_row(n_cols, element_size):
+    candidates = tune.candidate_plans(n_cols, element_size)
+    assert candidates and len(set(candidates)) == len(candidates)
+    for plan in candidates:
+        if plan.segments == 1:
+            assert plan.block_n >= n_cols
+        else:
+            assert plan.segments * plan.block_n >= n_cols + plan.align - 1
+
+
+def test_tuning_candidates_launch():
+    x = torch.randn(3, 5000, device=DEVICE) * 4
+    candidates = tune.candidate_plans(5000, 4)
+    for plan in (min(candidates, key=lambda p: p.segments), max(candidates, key=lambda p: p.segments)):
+        y = torch.full_like(x, float("nan"))
+        fused.launch_rows_forward(x, y, plan)
+        torch.testing.assert_close(y, torch.softmax(x, -1))
