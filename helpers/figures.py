@@ -122,7 +122,7 @@ def peers_figure(results: list[Result], dtypes=("float32", "bfloat16", "float16"
     fig, axes = plt.subplots(2, len(dtypes), figsize=(5.5 * len(dtypes), 7), squeeze=False, sharey=True)
     for row, phase in enumerate(("forward", "backward")):
         for ax, dtype in zip(axes[row], dtypes, strict=True):
-            for impl in ("helpers", "torch", "compile", "liger"):
+            for impl in ("helpers", "torch", "compile", "liger", "quack"):  # QuACK where it is installed
                 points = sorted(select(results, phase=phase, dtype=dtype, impl=impl), key=lambda r: r.N)
                 if points:
                     label, colour, marker = STYLE[impl]
