@@ -180,10 +180,12 @@ def test_blocked_loop_is_the_reference(block, causal):
 
 
 def test_blocked_loop_in_low_precision_computes_in_fp32():
-    q, k, v, _ = qkv(1, 2, 50, 50, 16)
-    o, lse = attention_blocked(q.bfloat16(), k.bfloat16(), v.bfloat16(), True)
+    q, k, v = (t.bfloat16() for t in qkv(1, 2, 50, 50, 16)[:3])
+    o, lse = attention_blocked(q, k, v, True)
     assert o.dtype == lse.dtype == torch.float32
-    torch.testing.assert_close(o.double(), attention_reference(q, k, v, True), atol=5e-2, rtol=0)
+    # against float64 on the same bf16 inputs: fp32 arithmetic is within 1e-6 (1.3e-7 measured), bf16's near 1e-2
+    torch.testing.assert_close(o.double(), attention_reference(q.double(), k.double(), v.double(), True), atol=1e-6,
+                               rtol=0)
 
 
 # ---- the operator ----

@@ -29,13 +29,15 @@ def test_odd_shape(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_cols", [1, 15, 17, 100])
-def test_looped_kernel(looped, dtype, n_cols):
+def test_rows_split_into_small_pieces(looped, dtype, n_cols):
+    """Under ``looped`` a row past 16 elements is split into pieces of 16-64, so odd lengths span several."""
     y = torch.softmax(randn(6, n_cols, dtype=torch.float64), -1).to(dtype)
     check_backward(y, randn(6, n_cols, dtype=dtype, scale=1.0))
 
 
 def test_long_rows():
-    n_cols = helpers.kernels.ROW_BLOCK_LIMIT * 2 + 77
+    n_cols = helpers.plans.ALWAYS_TILE_ROW + 77  # at the plans' own sizes: split among programs
+    assert helpers.plans.plan_for(n_cols, "backward", 4).segments > 1
     y = torch.softmax(randn(3, n_cols), -1)
     check_backward(y, randn(3, n_cols, scale=1.0))
 
@@ -54,7 +56,8 @@ def test_any_rank_and_dim(shape, dim):
     pytest.param(lambda shape: randn(shape[0], 2 * shape[1])[:, ::2], id="sliced"),
 ])
 def test_strided_grad_outputs(make_dy):
-    y = torch.softmax(randn(9, 23), -1)
+    # rows of y summing to 0.2-2.0 rather than 1, so that a gradient constant along a row still gives a nonzero dx
+    y = torch.softmax(randn(9, 23), -1) * torch.linspace(0.2, 2.0, 9, device=helpers.DEVICE)[:, None]
     check_backward(y, make_dy(y.shape))
 
 
@@ -73,10 +76,18 @@ def test_autograd_matches_torch(softmax, dtype, dim):
 
 
 def test_sum_backward_passes_zero_stride_grads():
-    """y.sum().backward() hands the backward an expanded tensor of ones; the gradient of a sum of softmaxes is 0."""
+    """y.sum().backward() hands the backward an expanded tensor of ones; the gradient of a sum of softmaxes is 0. A
+    weighted sum of y's columns hands it one expanded along dim 1 that varies down dim 0, the softmax dim."""
     x = randn(8, 33).requires_grad_()
     helpers.softmax(x, 0).sum().backward()
     torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=1e-6, rtol=0)
+    weights = randn(8)
+    x.grad = None
+    x_torch = x.detach().clone().requires_grad_()
+    (helpers.softmax(x, 0).sum(1) * weights).sum().backward()
+    (torch.softmax(x_torch, 0).sum(1) * weights).sum().backward()
+    assert x.grad.abs().max() > 0.1
+    torch.testing.assert_close(x.grad, x_torch.grad)
 
 
 def test_indexing_passes_strided_grads():

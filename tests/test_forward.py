@@ -32,12 +32,14 @@ def test_row_lengths(n_cols):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_cols", [1, 15, 16, 17, 100, 257])
-def test_looped_kernel(looped, dtype, n_cols):
+def test_rows_split_into_small_pieces(looped, dtype, n_cols):
+    """Under ``looped`` a row past 16 elements is split into pieces of 16-64, so odd lengths span several."""
     check_forward(randn(7, n_cols, dtype=dtype))
 
 
 def test_long_rows():
-    n_cols = helpers.kernels.ROW_BLOCK_LIMIT * 3 + 123  # well past one block: the looped kernel, at its real chunk size
+    n_cols = helpers.plans.ALWAYS_TILE_ROW + 8315  # at the plans' own sizes: split among programs
+    assert helpers.plans.plan_for(n_cols, "forward", 4).segments > 1
     check_forward(randn(3, n_cols))
 
 
@@ -80,10 +82,11 @@ def test_special_values():
 
 
 def test_special_values_in_long_rows(looped):
-    """The looped kernel's running max starts at -inf: a first chunk of all -inf must not poison the sum."""
+    """A split row (pieces of 32 under ``looped``) whose first piece is all -inf: its partial (m = -inf, d = 0) must not
+    poison the merge."""
     inf = float("inf")
     x = randn(4, 50)
-    x[0, :20] = -inf  # first chunks all -inf, finite values later
+    x[0, :40] = -inf  # the first piece all -inf, finite values later
     x[1, :] = -inf
     x[2, 40] = inf
     x[3, 30] = float("nan")

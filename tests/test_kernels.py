@@ -5,7 +5,7 @@ import torch
 from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
 
 import helpers
-from helpers import kernels, plans, residency
+from helpers import fused, kernels, plans, residency
 
 FORWARD = [kernels.softmax_kernel, kernels.softmax_online_kernel]
 BACKWARD = [kernels.softmax_backward_kernel, kernels.softmax_backward_looped_kernel]
@@ -13,7 +13,9 @@ BACKWARD = [kernels.softmax_backward_kernel, kernels.softmax_backward_looped_ker
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", FORWARD, ids=lambda k: k.__name__)
-def test_forward_kernels(kernel, dtype):
+def test_forward_kernels(looped, kernel, dtype):
+    """Under ``looped`` the looped kernel walks a row in chunks of 16 (twelve of them on CPU), so every chunk after the
+    first may raise the running max."""
     x = randn(*ODD_SHAPE, dtype=dtype).t()  # strided: column stride != 1
     y = torch.full(x.shape, float("nan"), dtype=dtype, device=x.device)
     kernels.launch_forward(x, y, kernel)
@@ -22,7 +24,7 @@ def test_forward_kernels(kernel, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", BACKWARD, ids=lambda k: k.__name__)
-def test_backward_kernels(kernel, dtype):
+def test_backward_kernels(looped, kernel, dtype):
     y = torch.softmax(randn(*ODD_SHAPE, dtype=torch.float64), -1).to(dtype)
     dy = randn(1, ODD_SHAPE[1], dtype=dtype).expand(ODD_SHAPE)  # zero row stride
     dx = torch.full(y.shape, float("nan"), dtype=dtype, device=y.device)
@@ -43,8 +45,12 @@ def test_plans_cover_the_row(phase, n_cols, element_size):
     assert plan.persistent == (plan.segments > 1)  # a split must be persistent (all its programs resident)
 
 
-def test_fused_grid_is_persistent(looped):
+@pytest.mark.parametrize("shape", [(23, 50), (1024, 8)])  # split rows (pieces of 32 under `looped`), tiles
+def test_fused_grid_is_persistent(looped, shape):
     """Under the interpreter the grid is a few programs (or groups), so each loops over several tiles or rows."""
-    x = randn(23, 50)  # 4 segments of 16 per row under `looped`
+    x = randn(*shape)
+    (*_, step) = fused.forward_recipe(torch.empty_like(x), x, None).steps
+    segments = step.constexprs.get("SEGMENTS", 1)
+    work = shape[0] if segments > 1 else plans.cdiv(shape[0], step.constexprs["ROWS"])  # rows of a split, or tiles
+    assert step.grid == segments * residency.CPU_PROGRAMS and residency.CPU_PROGRAMS < work
     torch.testing.assert_close(helpers.softmax_forward(x), torch.softmax(x, -1))
-    assert residency.CPU_PROGRAMS < 23
