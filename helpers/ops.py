@@ -3,8 +3,8 @@
 Any rank and dim. Softmax over another dim than the last of contiguous tensors takes the column kernels
 (``helpers.columns``: held whole, split into pieces that exchange partials (``helpers.column_split``), or walked), and
 its output is laid out as its input. Otherwise the softmax dim is moved last and the rest flattened into rows, a view
-when strides allow it and a copy otherwise, and the output is fresh contiguous rows viewed back into the input's shape.
-Inputs are never written.
+when strides allow it and a copy otherwise, and the output is fresh contiguous rows viewed back into the input's shape
+(copied into torch's contiguous layout where the input was contiguous). Inputs are never written.
 """
 
 from __future__ import annotations
@@ -50,14 +50,16 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Undo ``_rows``: view the contiguous rows back in ``like``'s shape."""
+    """Undo ``_rows``: view the contiguous rows back in ``like``'s shape; for a contiguous ``like`` and another dim than
+    the last, a contiguous copy, torch.softmax's layout (a view there would hold the dim last in memory)."""
     if like.ndim == 2 and dim == 1:
         return rows
     if like.ndim == 0:
         return rows.reshape(())
     if dim == like.ndim - 1:
         return rows.view(like.shape)
-    return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
+    moved_back = rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
+    return moved_back.contiguous() if like.is_contiguous() else moved_back
 
 
 def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,19 @@ def test_any_rank_and_dim(shape, dim):
     check_forward(randn(*shape), dim)
 
 
+@pytest.mark.parametrize("shape, dim, dtype", [((1100, 8), 0, torch.float32), ((5, 7), 0, torch.float64),
+                                              ((5, 7, 9), 1, torch.float64)])
+def test_contiguous_input_gives_torchs_layout(shape, dim, dtype):
+    """Where the column kernels do not take the call (a long dim with few columns, fp64), the rows' result is copied
+    back into torch's layout, contiguous as the input, and so is the gradient."""
+    x = randn(*shape, dtype=dtype).requires_grad_()
+    assert not helpers.columns.takes_columns(dim, x)
+    y = check_forward(x, dim)
+    assert y.stride() == torch.softmax(x, dim).stride() == x.stride()
+    y.backward(randn(*shape, dtype=dtype))
+    assert x.grad.stride() == x.stride()
+
+
 @pytest.mark.parametrize("make_view", [
     pytest.param(lambda x: x.t(), id="transposed"),
     pytest.param(lambda x: x[::2, 1::3], id="sliced"),
