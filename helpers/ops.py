@@ -3,8 +3,8 @@
 Any rank and dim. Softmax over another dim than the last of contiguous tensors takes the column kernels
 (``helpers.columns``: held whole, split into pieces that exchange partials (``helpers.column_split``), or walked), and
 its output is laid out as its input. Otherwise the softmax dim is moved last and the rest flattened into rows, a view
-when strides allow it and a copy otherwise, and the output is fresh contiguous rows viewed back into the input's shape
-(copied into torch's contiguous layout where the input was contiguous). Inputs are never written.
+when strides allow it and a copy otherwise, and the output is fresh contiguous rows in the input's shape, contiguous as
+torch's (a copy where the dim was not last). Inputs are never written.
 """
 
 from __future__ import annotations
@@ -50,16 +50,15 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Undo ``_rows``: view the contiguous rows back in ``like``'s shape; for a contiguous ``like`` and another dim than
-    the last, a contiguous copy, torch.softmax's layout (a view there would hold the dim last in memory)."""
+    """Undo ``_rows``: the contiguous rows in ``like``'s shape, contiguous as torch.softmax returns them (for another
+    dim than the last, a copy: viewed back, they would hold that dim last in memory)."""
     if like.ndim == 2 and dim == 1:
         return rows
     if like.ndim == 0:
         return rows.reshape(())
     if dim == like.ndim - 1:
         return rows.view(like.shape)
-    moved_back = rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
-    return moved_back.contiguous() if like.is_contiguous() else moved_back
+    return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim).contiguous()
 
 
 def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ AUTOGRAD_SOFTMAXES = [
 def check_backward(y, dy, dim=-1):
     y_before, dy_before = y.clone(), dy.clone()
     dx = helpers.softmax_backward(y, dy, dim)
-    assert dx.shape == y.shape and dx.dtype == y.dtype
+    assert dx.shape == y.shape and dx.dtype == y.dtype and dx.is_contiguous()  # torch's layout
     torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), equal_nan=True, **BACKWARD_TOLERANCE[y.dtype])
     assert torch.equal(y, y_before) and torch.equal(dy, dy_before)  # inputs are never written
 

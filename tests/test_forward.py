@@ -14,6 +14,7 @@ def check_forward(x, dim=-1):
     expected = torch.softmax(x, dim)
     assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
     torch.testing.assert_close(y, expected, equal_nan=True, **TOLERANCE[x.dtype])
+    assert y.is_contiguous() == expected.is_contiguous()  # torch's layout
     torch.testing.assert_close(x, x_before, rtol=0, atol=0, equal_nan=True)  # the input is never written
     return y
 
