@@ -116,10 +116,16 @@ def test_two_pass_special_values_and_strides(small_gpu):
     check(x)
     check(randn(150, 6).t())
     check(randn(130, 18)[:, ::2], 0)  # rows 18 elements apart (a contiguous tensor's other dim takes the columns)
+    y, dy = (t[:, ::2] for t in (torch.softmax(randn(130, 18), 0), randn(130, 18, scale=1.0)))  # the backward's too
+    torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), torch_backward(y, dy, 0), atol=1e-6,
+                               rtol=1e-6)
     y = helpers.softmax_forward(randn(3, 150))
     dx = helpers.softmax_backward(y, torch.ones((), device=y.device).expand_as(y))
     torch.testing.assert_close(dx, torch.zeros_like(dx), atol=1e-6, rtol=0)  # sum(y) = 1: dx = y * (1 - 1)
-    assert {name for name, *_ in small_gpu[1]} == {"softmax_two_pass_kernel", "softmax_backward_two_pass_kernel"}
+    # every row took two passes; the strided forward's output is contiguous, as torch's, so its backward (in check)
+    # took the column kernel
+    assert {name for name, *_ in small_gpu[1]} == {"softmax_two_pass_kernel", "softmax_backward_two_pass_kernel",
+                                                   "softmax_backward_column_kernel"}
 
 
 def test_two_pass_chunks_cover_the_row():
