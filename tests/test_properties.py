@@ -1,9 +1,11 @@
-"""Hypothesis-generated shapes, dims, dtypes and values (special values included) against torch."""
+"""Hypothesis-generated shapes, dims, dtypes and values (special values included) against torch; on a GPU, seeded
+random calls at full size through every kernel."""
 
 import math
 
+import pytest
 import torch
-from conftest import TOLERANCE, torch_backward
+from conftest import ON_GPU, TOLERANCE, run_with_timeout, torch_backward
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,3 +49,84 @@ def test_backward_matches_torch(case, broadcast_grad):
     dx = helpers.softmax_backward(y, dy, dim)
     atol = {torch.float16: 4e-3, torch.bfloat16: 4e-2}.get(x.dtype, 1e-6)
     torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), atol=atol, rtol=atol)
+
+
+# A GPU subprocess: seeded random calls at sizes where every kernel runs (tiles, splits, two passes, column kernels
+# held and split), in random layouts, dtypes and dims with special values, forward and backward against torch in
+# fp64. Each layout is called twice: its first call, then its kept launch (a split's exchange on the other parity).
+# A few shapes first make sure each kernel family is met; the kernels that ran are asserted at the end.
+GPU_RANDOM_CALLS = r"""
+import math, random
+import pytest
+import torch
+import helpers
+from helpers import recipes
+
+random.seed(0)
+torch.manual_seed(0)
+SIZES = [1, 2, 3, 7, 16, 17, 31, 64, 100, 257, 1000, 1023, 1025, 2048, 4097, 5000, 20000, 40000, 65537, 151936]
+TOLERANCE = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1.6e-2), torch.float32: (1e-6, 1e-5),
+             torch.float64: (1e-12, 1e-12)}
+BACKWARD_TOLERANCE = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2), torch.float32: (2e-6, 1e-5),
+                      torch.float64: (1e-12, 1e-12)}
+SPECIAL = [-math.inf, math.inf, math.nan, 1e4]
+FIRST = [((3, 1000), -1), ((4, 151936), -1), ((2, 2**22 + 3), -1), ((8, 21, 64, 64), 1), ((16384, 4096), 0)]
+kernels_run = set()
+
+
+def random_case():
+    shape = [random.choice(SIZES) for _ in range(random.choice([1, 2, 2, 3, 3, 4]))]
+    while math.prod(shape) > 2**25:
+        shape[random.randrange(len(shape))] = random.choice(SIZES[:8])
+    return tuple(shape), random.randrange(-len(shape), len(shape))
+
+
+def check(shape, dim, dtype, layout, special):
+    x64 = torch.randn(shape, dtype=torch.float64, device="cuda") * random.choice([1, 4, 30])
+    if layout == "transposed" and len(shape) >= 2:
+        i, j = random.sample(range(len(shape)), 2)
+        x64 = x64.transpose(i, j).contiguous().transpose(i, j)
+    x = x64.to(dtype)
+    for value in special:
+        x[tuple(random.randrange(n) for n in shape)] = value
+    if layout == "sliced" and shape[-1] > 2:
+        x = x[..., 1:]
+    elif layout == "expanded" and len(shape) >= 2:
+        x = x.narrow(0, 0, 1).expand(*x.shape)
+    elif layout == "off 16 bytes":
+        x = torch.cat([x.reshape(-1)[:1], x.reshape(-1)])[1:].view(x.shape)
+    y_finite = torch.softmax(x.double().nan_to_num(0.0, 0.0, 0.0), dim).to(dtype)
+    dy = torch.randn(x.shape, dtype=torch.float64, device="cuda").to(dtype)
+    case = f"{tuple(x.shape)} strides {x.stride()} {dtype} dim {dim}, special {special}"
+    for _ in range(2):
+        y = helpers.softmax(x, dim)
+        atol, rtol = TOLERANCE[dtype]
+        torch.testing.assert_close(y.double(), torch.softmax(x.double(), dim), atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m: f"forward {case}: {m}")
+        assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous(), case
+        dx = helpers.softmax_backward(y_finite, dy, dim)
+        expected = torch._softmax_backward_data(dy.double(), y_finite.double(), dim, torch.float64)
+        atol, rtol = BACKWARD_TOLERANCE[dtype]
+        torch.testing.assert_close(dx.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"backward {case}: {m}")
+    kernels_run.update(step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps)
+
+
+for shape, dim in FIRST:
+    for dtype in (torch.float32, torch.bfloat16):
+        check(shape, dim, dtype, "contiguous", [])
+for _ in range(150):
+    shape, dim = random_case()
+    dtype = random.choice([torch.float16, torch.bfloat16, torch.float32, torch.float32, torch.float64])
+    layout = random.choice(["contiguous"] * 4 + ["transposed", "sliced", "expanded", "off 16 bytes"])
+    special = random.sample(SPECIAL, 2) if random.random() < 0.3 else []
+    check(shape, dim, dtype, layout, special)
+for family in ("tile", "split", "two_pass", "column", "column_split"):
+    for phase in ("softmax", "softmax_backward"):
+        assert f"{phase}_{family}_kernel" in kernels_run, (phase, family, sorted(kernels_run))
+print("ok", len(FIRST) * 2 + 150, "layouts,", sorted(kernels_run), flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the sizes where every kernel runs, and splits that wait")
+def test_random_calls_at_full_size_on_the_gpu():
+    assert run_with_timeout(GPU_RANDOM_CALLS, timeout=600).startswith("ok")
