@@ -125,7 +125,7 @@ def _split_recipe(kernel, operands: tuple[torch.Tensor, ...], ints: tuple, plan:
     args = (*operands, exchange.PARTIALS, *ints)
 
     def constexprs_for(plan, even=True):
-        piece = plans.piece_length(n_cols, plan, align, element_size) if even else plan.block_n
+        piece = plans.piece_length(n_cols, plan, align, element_size, n_rows) if even else plan.block_n
         return dict(SEGMENTS=plan.segments, SEGMENTS_POW2=plans.next_power_of_2(plan.segments), BLOCK_N=plan.block_n,
                     ALIGN=align, PIECE=piece, PHASE=exchange.FUSED.value)
 

@@ -152,17 +152,28 @@ def narrower(plan: Plan, n_cols: int, phase: str, element_size: int) -> Plan | N
     return plan_for(n_cols, phase, element_size, max_piece=plan.block_n // 2)
 
 
-def piece_length(n_cols: int, plan: Plan, align: int, element_size: int) -> int:
+# The even share is compiled into the split kernels, so a loop whose row grows by one a call (a decode loop's scores)
+# builds a kernel wherever it changes: in whole 16-byte chunks, every 4 x SEGMENTS lengths in fp32 (30 builds in 600
+# calls at 41000; results/README.md, "A length that grows by one a call"). A call of at most COARSE_SHARE_PIECES
+# pieces in all runs every row at once, or nearly, and is latency-bound: there the share is rounded up to whole
+# COARSE_SHARE elements (BLOCK_N if smaller) instead, a build every COARSE_SHARE x SEGMENTS lengths, for pieces at most
+# COARSE_SHARE - 1 elements longer. Bandwidth-bound calls keep the exact share.
+COARSE_SHARE = 64
+COARSE_SHARE_PIECES = 1024
+
+
+def piece_length(n_cols: int, plan: Plan, align: int, element_size: int, n_rows: int | None = None) -> int:
     """The elements of a row each program of ``plan``'s split holds, of a row window of ``n_cols`` + ``align`` - 1
     positions (``split_rows.row_window``): ``plan.block_n``, the last program taking the rest, or an even share of
-    the window in whole 16-byte chunks where the rest would leave more than ``plan.full_padding`` of the pieces
-    empty."""
+    the window where the rest would leave more than ``plan.full_padding`` of the pieces empty: in whole 16-byte
+    chunks, or COARSE_SHARE elements for a call of ``n_rows`` rows with at most COARSE_SHARE_PIECES pieces."""
     window = int(n_cols) + align - 1
-    chunk = 16 // element_size
-    assert plan.block_n % chunk == 0, "an even share rounded up to whole chunks must stay within BLOCK_N"
+    coarse = n_rows is not None and n_rows * plan.segments <= COARSE_SHARE_PIECES
+    multiple = min(COARSE_SHARE, plan.block_n) if coarse else 16 // element_size
+    assert plan.block_n % multiple == 0, "an even share rounded up to whole multiples must stay within BLOCK_N"
     if full_pieces(window, plan.block_n, plan.full_padding):
         return plan.block_n
-    return cdiv(cdiv(window, plan.segments), chunk) * chunk
+    return cdiv(cdiv(window, plan.segments), multiple) * multiple
 
 
 def full_pieces(window: int, block_n: int, full_padding: float = EVEN_PADDING) -> bool:

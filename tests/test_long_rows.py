@@ -13,7 +13,7 @@ import torch
 from conftest import ON_GPU, randn, run_with_timeout, torch_backward
 
 import helpers
-from helpers import plans, recipes, residency, split_rows, two_pass
+from helpers import bench, plans, recipes, residency, split_rows, two_pass
 
 # Programs a small GPU holds at once: 8 SMs with one program each, a T4 (40 SMs) with 1, 4 and 16 per SM.
 SMALL_GPUS = {"8 SMs x 1": 8, "T4 x 1": 40, "T4 x 4": 160, "T4 x 16": 640}
@@ -345,3 +345,28 @@ def test_16_bit_forward_pieces_run_under_the_register_cap():
     """The 16-bit forward's wide pieces take 136-155 registers uncapped under Triton 3.6, so fewer programs fit;
     ``plan_for`` caps them at REGISTER_BUDGET, which the launches and the residency count must both carry."""
     assert run_with_timeout(GPU_CAPPED_PIECES).endswith(" ok\n")
+
+
+def test_a_growing_row_of_few_rows_reuses_its_builds():
+    """The even share is compiled into the split kernels. A call of few pieces rounds it up to whole COARSE_SHARE
+    elements (``plans.piece_length``), so a loop whose 8 rows grow by one element a call needs a few builds in 600
+    calls, not one every 4 x SEGMENTS lengths; bandwidth-bound calls, the benchmark grid's among them, keep the exact
+    share. Every share covers the row and leaves no piece empty."""
+
+    def shapes_built(n_rows, lengths, element_size=4):
+        built = set()
+        for n in lengths:
+            plan = plans.plan_for(n, "forward", element_size)
+            piece = plans.piece_length(n, plan, plan.align, element_size, n_rows)
+            assert plan.segments * piece >= n + plan.align - 1 > (plan.segments - 1) * piece
+            built.add((plan.segments, plan.align, piece))
+        return built
+
+    lengths = range(41000, 41600)
+    assert len(shapes_built(8, lengths)) <= 4 and len(shapes_built(2670, lengths)) >= 15
+    for n in bench.GRID_N:
+        for phase in ("forward", "backward"):
+            for element_size in (2, 4):
+                plan = plans.plan_for(n, phase, element_size)
+                exact = plans.piece_length(n, plan, plan.align, element_size)
+                assert plans.piece_length(n, plan, plan.align, element_size, 2**27 // n) == exact, (n, phase)
