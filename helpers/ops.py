@@ -57,8 +57,25 @@ def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
     if like.ndim == 0:
         return rows.reshape(())
     if dim == like.ndim - 1:
-        return rows.view(like.shape)
-    return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim).contiguous()
+        return _in_torch_layout(rows.view(like.shape))
+    return _in_torch_layout(rows.view(like.movedim(dim, -1).shape).movedim(-1, dim).contiguous())
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides torch gives a new contiguous tensor of ``shape`` (a dim of size 0 or 1 counts as 1)."""
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _in_torch_layout(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous ``t`` with the strides torch.softmax gives its output, a new contiguous tensor's. Contiguous
+    tensors of one shape differ only in the strides of dims of size 1 (and empty tensors in any), which move no
+    element: a view, never a copy."""
+    strides = _contiguous_strides(t.shape)
+    return t if t.stride() == strides else t.as_strided(t.shape, strides)
 
 
 def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:
@@ -82,11 +99,11 @@ def _operator(name: str, fn):
 def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The body of ``softmax_course::softmax``: rows in, the fused forward launch, rows out."""
     if x.numel() == 0:
-        return torch.empty_like(x)
+        return x.new_empty(x.shape)
     if not recipes.plain((x,)) and _runs_eager("forward", dim, x):
         return _eager_softmax_op(x, dim)  # traced, and best run by the eager launch (below)
     if columns.takes_columns(dim, x):
-        y = _new_output(x)
+        y = _in_torch_layout(_new_output(x))
         columns.launch_columns_forward(x, y, dim)
         return y
     x_rows = _rows(x, dim)
@@ -98,11 +115,11 @@ def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     """The body of ``softmax_course::softmax_backward``."""
     if y.numel() == 0:
-        return torch.empty_like(y)
+        return y.new_empty(y.shape)
     if not recipes.plain((y, dy)) and _runs_eager("backward", dim, y, dy):
         return _eager_softmax_backward_op(y, dy, dim)
     if columns.takes_columns(dim, y, dy):
-        dx = _new_output(y)
+        dx = _in_torch_layout(_new_output(y))
         columns.launch_columns_backward(y, dy, dx, dim)
         return dx
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
@@ -129,7 +146,7 @@ def _output_like(t: torch.Tensor, dim: int, *others: torch.Tensor) -> torch.Tens
     """An uninitialised tensor laid out as ``_forward`` or ``_backward`` lays out its result: the fake implementation
     of the opaque operators."""
     if t.numel() == 0 or columns.takes_columns(dim, t, *others):
-        return torch.empty_like(t)
+        return t.new_empty(t.shape)
     return _unrows(_new_rows(*_rows(t, dim).shape, like=t), t, dim)
 
 
@@ -197,9 +214,10 @@ def _remember(key: tuple, call) -> None:
 
 def _forward_call(x: torch.Tensor, dim: int):
     """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for contiguous rows (softmax over
-    the last dim of a contiguous tensor) its recipe launched on ``x`` into ``y``, by default a new output laid out as
-    ``x``. Also the output the recipe was planned with (else None), for this first call to write into."""
-    if x.numel() == 0 or not x.is_contiguous() or dim != x.ndim - 1:
+    the last dim of a contiguous tensor with a new tensor's strides) its recipe launched on ``x`` into ``y``, by
+    default a new output laid out as ``x``. Also the output the recipe was planned with (else None), for this first
+    call to write into."""
+    if x.numel() == 0 or x.stride() != _contiguous_strides(x.shape) or dim != x.ndim - 1:
         return (lambda x, x_ptr, y=None: _forward(x, dim)), None
     first_y = _new_output(x)
     recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
@@ -216,7 +234,7 @@ def _forward_call(x: torch.Tensor, dim: int):
 
 def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
     """``_forward_call`` for the backward."""
-    if y.numel() == 0 or not (y.is_contiguous() and dy.is_contiguous()) or dim != y.ndim - 1:
+    if y.numel() == 0 or y.stride() != _contiguous_strides(y.shape) or not dy.is_contiguous() or dim != y.ndim - 1:
         return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim)), None
     first_dx = _new_output(y)
     recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))

@@ -26,7 +26,7 @@ def tensors(draw, special=True):
         for _ in range(n_special):
             x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from(SPECIAL))
     if draw(st.booleans()) and x.ndim >= 2:
-        x = x.transpose(0, -1)  # non-contiguous
+        x = x.permute(draw(st.permutations(range(x.ndim))))  # non-contiguous, or other strides at dims of size 0 or 1
     return x.to(dtype=dtype, device=helpers.DEVICE), dim
 
 
@@ -35,7 +35,7 @@ def tensors(draw, special=True):
 def test_forward_matches_torch(case):
     x, dim = case
     torch.testing.assert_close(helpers.softmax_forward(x, dim), torch.softmax(x, dim), equal_nan=True,
-                               **TOLERANCE[x.dtype])
+                               check_stride=True, **TOLERANCE[x.dtype])  # torch's layout: its strides too
 
 
 @settings(max_examples=60, deadline=None)
@@ -48,7 +48,9 @@ def test_backward_matches_torch(case, broadcast_grad):
         dy = dy.select(dim, 0).unsqueeze(dim).expand_as(x)  # a zero stride along the softmax dim
     dx = helpers.softmax_backward(y, dy, dim)
     atol = {torch.float16: 4e-3, torch.bfloat16: 4e-2}.get(x.dtype, 1e-6)
-    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), atol=atol, rtol=atol)
+    expected = torch_backward(y, dy, dim)
+    torch.testing.assert_close(dx.double(), expected, atol=atol, rtol=atol)
+    assert dx.stride() == expected.stride()  # torch's layout
 
 
 # A GPU subprocess: seeded random calls at sizes where every kernel runs (tiles, splits, two passes, column kernels
