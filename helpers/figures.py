@@ -49,9 +49,13 @@ def plot_bandwidth(ax, results: list[Result], impls: list[str], title: str) -> N
     ax.legend(fontsize=8)
 
 
-def recorded_label(results: list[Result]) -> str:
-    first = results[0]
-    return f"recorded on {first.gpu}, {first.date}, M*N = {first.M * first.N:,} elements"
+def recorded_label(results: list[Result], impls) -> str:
+    """The suptitle of a figure of ``impls``' results: where and when they were recorded (a date range where the
+    lines come from runs of different days), and the elements a call moved."""
+    plotted = [r for r in results if r.impl in impls]
+    first, dates = plotted[0], sorted({r.date for r in plotted})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return f"recorded on {first.gpu}, {when}, M*N = {first.M * first.N:,} elements"
 
 
 def bandwidth_figure(results: list[Result], phase: str, impls: list[str], dtypes=("float32", "bfloat16")):
@@ -61,7 +65,7 @@ def bandwidth_figure(results: list[Result], phase: str, impls: list[str], dtypes
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         plot_bandwidth(ax, select(results, phase=phase, dtype=dtype), impls, f"softmax {phase}, {dtype}")
-    fig.suptitle(recorded_label(results), fontsize=9)
+    fig.suptitle(recorded_label(results, impls), fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -115,14 +119,25 @@ def forward_graph_figure():
     return fig
 
 
+PEERS = ("helpers", "torch", "compile", "liger", "quack")  # notebook 06's figure: the course's op and its peers
+
+
+def peer_results(results: list[Result]) -> list[Result]:
+    """The rows of notebook 06's figure: PEERS at the row lengths the course's op was timed at (the teaching kernels'
+    sweep times torch at more lengths, in another run)."""
+    lengths = {r.N for r in results if r.impl == "helpers"}
+    return [r for r in results if r.impl in PEERS and r.N in lengths]
+
+
 def peers_figure(results: list[Result], dtypes=("float32", "bfloat16", "float16")):
     """Notebook 06: fraction of copy bandwidth against N, the course's op against its peers, forward and backward."""
     import matplotlib.pyplot as plt
 
+    results = peer_results(results)
     fig, axes = plt.subplots(2, len(dtypes), figsize=(5.5 * len(dtypes), 7), squeeze=False, sharey=True)
     for row, phase in enumerate(("forward", "backward")):
         for ax, dtype in zip(axes[row], dtypes, strict=True):
-            for impl in ("helpers", "torch", "compile", "liger", "quack"):  # QuACK where it is installed
+            for impl in PEERS:  # QuACK where it is installed
                 points = sorted(select(results, phase=phase, dtype=dtype, impl=impl), key=lambda r: r.N)
                 if points:
                     label, colour, marker = STYLE[impl]
@@ -137,7 +152,7 @@ def peers_figure(results: list[Result], dtypes=("float32", "bfloat16", "float16"
             ax.set_xlabel("N (row length)")
         axes[row][0].set_ylabel("fraction of copy bandwidth")
     axes[0][0].legend(fontsize=8, loc="lower left")
-    fig.suptitle(recorded_label(results) + "  (dashed: the copy limit, dotted: 0.9 of it)", fontsize=9)
+    fig.suptitle(recorded_label(results, PEERS) + "  (dashed: the copy limit, dotted: 0.9 of it)", fontsize=9)
     fig.tight_layout()
     return fig
 
