@@ -12,6 +12,7 @@ small version of these kernels.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +21,17 @@ import triton.language as tl
 
 from . import exchange, plans, recipes, residency
 from .column_split import column_piece, softmax_backward_column_split_kernel, softmax_column_split_kernel
+from .device import INTERPRET
 from .kernels import upcast
 from .tiles import KEEP_IN_L2, LOG2E
 
 # A forward block is WIDE_COLUMNS wide, or NARROW_COLUMNS from LONG_COLUMN rows on, in any dtype: it computes in fp32,
 # so its registers go by elements. Each row of a backward block is a run of WIDE_RUN_BYTES, or NARROW_RUN_BYTES from
-# LONG_COLUMN rows on. Never under MIN_COLUMNS columns; a warp per WARP_BYTES the block holds (both inputs of the
-# backward), 2 to 16. A program holds dims up to MAX_HELD elements (forward) or MAX_HELD_BACKWARD (y and dy). The
-# measurements behind these numbers and the pieces below: results/README.md.
+# LONG_COLUMN rows on. A warp per WARP_BYTES the block holds (both inputs of the backward), 2 to 16. A program holds
+# dims up to MAX_HELD elements (forward) or MAX_HELD_BACKWARD (y and dy). A dim with fewer than MIN_COLUMNS columns
+# beside it (inner: the heads of attention pooling, xyz) takes blocks as narrow as its columns, and pieces (below) as
+# much taller, so a block holds its elements without idle lanes: a held one as many as the longest held block
+# (``held_length``). The measurements behind these numbers and the pieces below: results/README.md.
 WIDE_COLUMNS = 64
 NARROW_COLUMNS = 32
 WIDE_RUN_BYTES = 256
@@ -55,8 +59,8 @@ MAX_TALL_PIECES = 128
 LONG_BACKWARD_PIECE = (512, 64, 8)
 # A split whose pieces do not fit the GPU together is walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS
 # rows at a time, LOOPED_WARPS warps: 3 transfers for the forward's 2, 5 for the backward's 3. Long dims take the
-# columns only with at least LOOPED_MIN_PROGRAMS walkers: fewer leave the GPU idle, where rows share a row among
-# programs.
+# columns where the GPU surely holds a group of their last pieces together (``split_surely_fits``), or where at least
+# LOOPED_MIN_PROGRAMS would walk them; else the rows.
 LOOPED_COLUMNS = 32
 LOOPED_ROWS = 256
 LOOPED_WARPS = 8
@@ -87,15 +91,28 @@ def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int =
     walked: ``_recipe``). Symbolic sizes (torch.compile's dynamic shapes) are made concrete, as in
     ``plans.plan_for``."""
     n_reduced, n_inner = int(n_reduced), int(n_inner)
-    if n_reduced > (MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD):
-        return split_plans(n_reduced, element_size, n_inputs)[0]
+    if n_reduced > held_length(n_inner, element_size, n_inputs):
+        return split_plans(n_reduced, element_size, n_inputs, n_inner)[0]
     return _held_plan(n_reduced, n_inner, element_size, n_inputs)
 
 
-def split_plans(n_reduced: int, element_size: int, n_inputs: int) -> list[ColumnPlan]:
-    """The plans of a split of a dim of ``n_reduced`` elements, best first: each piece while it cuts the dim into at
-    most its count of pieces, and the last piece of each direction at any length. A symbolic size is made concrete,
-    as in ``column_plan``."""
+def held_length(n_inner: int, element_size: int, n_inputs: int) -> int:
+    """The longest dim a program holds whole, over ``n_inner`` columns: MAX_HELD (MAX_HELD_BACKWARD for y and dy),
+    or where fewer than MIN_COLUMNS columns narrow the block, as many elements as the longest held block, MAX_HELD x
+    NARROW_COLUMNS (MAX_HELD_BACKWARD x NARROW_RUN_BYTES of each input)."""
+    block_c = plans.next_power_of_2(n_inner)
+    if block_c >= MIN_COLUMNS:
+        return MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD
+    if n_inputs == 1:
+        return MAX_HELD * NARROW_COLUMNS // block_c
+    return MAX_HELD_BACKWARD * (NARROW_RUN_BYTES // element_size) // block_c
+
+
+def split_plans(n_reduced: int, element_size: int, n_inputs: int, n_inner: int = MIN_COLUMNS) -> list[ColumnPlan]:
+    """The plans of a split of a dim of ``n_reduced`` elements over ``n_inner`` columns, best first: each piece while
+    it cuts the dim into at most its count of pieces, and the last piece of each direction at any length. Over fewer
+    columns than a piece's run holds (and fewer than MIN_COLUMNS), the piece is as narrow as the columns and as much
+    taller. A symbolic size is made concrete, as in ``column_plan``."""
     n_reduced = int(n_reduced)
     if n_inputs == 1:
         pieces = [(TWO_LEVEL_PIECE, MAX_TWO_LEVEL_PIECES, 2)] if element_size == 4 else []
@@ -103,34 +120,56 @@ def split_plans(n_reduced: int, element_size: int, n_inputs: int) -> list[Column
     else:
         pieces = [(BACKWARD_PIECE, MAX_BACKWARD_PIECES, 1), (TALL_BACKWARD_PIECE, MAX_TALL_PIECES, 1),
                   (LONG_BACKWARD_PIECE, None, 1)]
-    return [ColumnPlan(rows, run_bytes // element_size, warps, segments=plans.cdiv(n_reduced, rows), levels=levels)
-            for (rows, run_bytes, warps), most, levels in pieces
-            if most is None or plans.cdiv(n_reduced, rows) <= most]
+    columns_there = plans.next_power_of_2(int(n_inner))
+    split = []
+    for (rows, run_bytes, warps), most, levels in pieces:
+        run = run_bytes // element_size
+        block_c = run if columns_there >= MIN_COLUMNS else min(run, columns_there)
+        block_r = rows * run // block_c
+        segments = plans.cdiv(n_reduced, block_r)
+        if most is None or segments <= most:
+            split.append(ColumnPlan(block_r, block_c, warps, segments=segments, levels=levels))
+    return split
+
+
+@functools.lru_cache(maxsize=recipes.MAX_RECIPES)
+def split_surely_fits(n_reduced: int, n_inner: int, element_size: int, n_inputs: int, device: torch.device) -> bool:
+    """Whether a group of the last plan of ``split_plans`` (the pieces for any length) fits the GPU together whatever
+    registers a build takes (``residency.assured_resident``; under the interpreter, as its splits fit), so that a
+    long dim with few columns splits."""
+    last = split_plans(n_reduced, element_size, n_inputs, n_inner)[-1]
+    if INTERPRET:
+        return residency.split_grid(last.segments, 1, residency.CPU_RESIDENT_PROGRAMS) > 0
+    return last.segments <= residency.assured_resident(last.num_warps, device)
 
 
 def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -> ColumnPlan:
-    """A block that holds the whole dim."""
+    """A block that holds the whole dim, no wider than its columns."""
     block_r = plans.next_power_of_2(n_reduced)
     if n_inputs == 1:
         columns = NARROW_COLUMNS if block_r >= LONG_COLUMN else WIDE_COLUMNS
     else:
         columns = (NARROW_RUN_BYTES if block_r >= LONG_COLUMN else WIDE_RUN_BYTES) // element_size
-    block_c = max(MIN_COLUMNS, min(columns, plans.next_power_of_2(n_inner)))
+    block_c = min(columns, plans.next_power_of_2(n_inner))
     warps = plans.next_power_of_2(max(1, block_r * block_c * element_size * n_inputs // WARP_BYTES))
     return ColumnPlan(block_r, block_c, num_warps=min(16, max(2, warps)))
 
 
 def takes_columns(dim: int, *tensors: torch.Tensor) -> bool:
     """Whether softmax over ``dim`` of these contiguous fp16/bf16/fp32 tensors runs down their columns, here: a dim
-    that is not the last and has neighbours (inner > 1: otherwise it is a contiguous row), held whole, or walked by
-    at least LOOPED_MIN_PROGRAMS programs; and only where one outer index spans under 2**31 elements."""
+    that is not the last and has neighbours (inner > 1: otherwise it is a contiguous row), held whole (as a forward
+    holds it), split where the GPU surely holds a group of its pieces, or walked by at least LOOPED_MIN_PROGRAMS
+    programs; and only where one outer index spans under 2**31 elements."""
     t = tensors[0]
     if not (0 <= dim < t.ndim - 1 and all(u.is_contiguous() and u.dtype != torch.float64 for u in tensors)):
         return False
     n_outer, n_reduced, n_inner = _sizes(t, dim)
     fits_int32 = n_reduced * n_inner < 2**31  # the kernels' offsets within one outer index are 32-bit
-    return n_inner > 1 and fits_int32 and (n_reduced <= MAX_HELD
-                                           or n_outer * plans.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS)
+    element_size = max(u.element_size() for u in tensors)
+    return n_inner > 1 and fits_int32 and (
+        n_reduced <= held_length(n_inner, element_size, 1)
+        or n_outer * plans.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS
+        or split_surely_fits(n_reduced, n_inner, element_size, len(tensors), t.device))
 
 
 def _sizes(t: torch.Tensor, dim: int) -> tuple[int, int, int]:
@@ -221,7 +260,7 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
     """The launch of ``kernels`` (held, walked, split) on ``operands`` (output first), as ``column_plan`` says. A split
     takes the first of ``split_plans`` whose programs fit the GPU together, whose pieces span under 2**31 elements
     (their offsets are 32-bit) and which fills at least MIN_FILL of the GPU, else the first that fits; where none
-    fits, the dim is walked (or held, up to MAX_HELD)."""
+    fits, the dim is walked (or held, up to a forward's ``held_length``)."""
     held, walked, split = kernels
     n_outer, n_reduced, n_inner = _sizes(operands[0], dim)
     inputs = operands[1:]
@@ -229,14 +268,14 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
     plan = column_plan(n_reduced, n_inner, element_size, len(inputs))
     if plan.segments > 1:
         first_fitting = None
-        for candidate in split_plans(n_reduced, element_size, len(inputs)):
+        for candidate in split_plans(n_reduced, element_size, len(inputs), n_inner):
             found = _split_recipe(split, operands, candidate, n_outer, n_reduced, n_inner)
             if found and found[1] >= MIN_FILL:
                 return found[0]
             first_fitting = first_fitting or found
         if first_fitting:
             return first_fitting[0]
-    if plan.segments > 1 and n_reduced > MAX_HELD:
+    if plan.segments > 1 and n_reduced > held_length(n_inner, element_size, 1):
         plan = WALKED
     elif plan.segments > 1:
         plan = _held_plan(n_reduced, n_inner, inputs[0].element_size(), len(inputs))

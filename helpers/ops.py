@@ -213,14 +213,19 @@ def _remember(key: tuple, call) -> None:
 
 
 def _forward_call(x: torch.Tensor, dim: int):
-    """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for contiguous rows (softmax over
-    the last dim of a contiguous tensor with a new tensor's strides) its recipe launched on ``x`` into ``y``, by
-    default a new output laid out as ``x``. Also the output the recipe was planned with (else None), for this first
-    call to write into."""
-    if x.numel() == 0 or x.stride() != _contiguous_strides(x.shape) or dim != x.ndim - 1:
+    """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for a tensor with a new tensor's
+    strides, softmax over its last dim (contiguous rows) or down its columns (``columns.takes_columns``), the recipe
+    launched on ``x`` into ``y``, by default a new output laid out as ``x``. Also the output the recipe was planned
+    with (else None), for this first call to write into."""
+    if x.numel() == 0 or x.stride() != _contiguous_strides(x.shape):
         return (lambda x, x_ptr, y=None: _forward(x, dim)), None
     first_y = _new_output(x)
-    recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
+    if dim == x.ndim - 1:
+        recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
+    elif columns.takes_columns(dim, x):
+        recipe = recipes.recipe_for(columns.forward_recipe, (first_y, x), dim)
+    else:
+        return (lambda x, x_ptr, y=None: _forward(x, dim)), None
     device = x.get_device()
 
     def launch(x: torch.Tensor, x_ptr: int, y: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,10 +239,15 @@ def _forward_call(x: torch.Tensor, dim: int):
 
 def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
     """``_forward_call`` for the backward."""
-    if y.numel() == 0 or y.stride() != _contiguous_strides(y.shape) or not dy.is_contiguous() or dim != y.ndim - 1:
+    if y.numel() == 0 or y.stride() != _contiguous_strides(y.shape) or not dy.is_contiguous():
         return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim)), None
     first_dx = _new_output(y)
-    recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
+    if dim == y.ndim - 1:
+        recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
+    elif columns.takes_columns(dim, y, dy):
+        recipe = recipes.recipe_for(columns.backward_recipe, (first_dx, y, dy), dim)
+    else:
+        return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim)), None
     device = y.get_device()
 
     def launch(y: torch.Tensor, dy: torch.Tensor, y_ptr: int, dy_ptr: int, dx: torch.Tensor | None = None):

@@ -45,7 +45,6 @@ def test_autograd_gradient_in_the_input_layout():
 
 
 @pytest.mark.parametrize("make_input, dim", [
-    (lambda: randn(2, columns.MAX_HELD + 1, 3), 1),  # too long to hold, too few columns to walk it
     (lambda: randn(6, 5, 4).transpose(0, 2), 1),  # not contiguous
     (lambda: randn(5, 7, dtype=torch.float64), 0),  # fp64
     (lambda: randn(5, 7), 1),  # the last dim: rows
@@ -55,6 +54,62 @@ def test_other_calls_keep_the_rows_path(make_input, dim):
     x = make_input()
     assert not columns.takes_columns(dim, x)
     torch.testing.assert_close(helpers.softmax_forward(x, dim), torch.softmax(x, dim), **TOLERANCE[x.dtype])
+
+
+@pytest.mark.parametrize("surely_fits", [True, False])
+def test_long_dim_with_few_columns(monkeypatch, surely_fits):
+    """A dim too long to hold, with too few columns for LOOPED_MIN_PROGRAMS walkers, takes the columns where the GPU
+    surely holds a group of its last pieces (``split_surely_fits``), else the rows."""
+    if not surely_fits:
+        monkeypatch.setattr(columns, "split_surely_fits", lambda *args: False)
+    monkeypatch.setattr(recipes, "_recipes", {})
+    x = randn(2, columns.MAX_HELD + 1, 40)
+    assert columns.takes_columns(1, x) == surely_fits
+    y, expected = helpers.softmax_forward(x, 1), torch.softmax(x, 1)
+    torch.testing.assert_close(y, expected, **LONG_TOLERANCE[torch.float32])
+    dy = randn(*x.shape, scale=1.0)
+    torch.testing.assert_close(helpers.softmax_backward(expected, dy, 1).double(), torch_backward(expected, dy, 1),
+                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+    split = {"softmax_column_split_kernel", "softmax_backward_column_split_kernel"}
+    assert (launched() == split) == surely_fits
+
+
+@pytest.mark.parametrize("n_inner", [2, 3, 5, 8])
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("n_inputs", [1, 2])
+def test_narrow_columns(n_inner, element_size, n_inputs):
+    """Fewer columns than MIN_COLUMNS: blocks as narrow as the columns (a power of two), held while they hold no more
+    elements than the longest held block, split past that into pieces as much taller as they are narrower."""
+    block_c = 1 << (n_inner - 1).bit_length()
+    longest = columns.held_length(n_inner, element_size, n_inputs)
+    if n_inputs == 1:
+        assert longest * block_c == columns.MAX_HELD * columns.NARROW_COLUMNS
+    else:
+        assert longest * block_c * element_size == columns.MAX_HELD_BACKWARD * columns.NARROW_RUN_BYTES
+    held, split = (columns.column_plan(n, n_inner, element_size, n_inputs) for n in (longest, longest + 1))
+    assert (held.segments, held.block_r, held.block_c) == (1, longest, block_c)
+    piece = (columns.TWO_LEVEL_PIECE if element_size == 4 else columns.FORWARD_PIECE) if n_inputs == 1 else (
+        columns.BACKWARD_PIECE)
+    rows, run_bytes, warps = piece
+    assert (split.block_c, split.num_warps) == (block_c, warps) and split.segments > 1
+    assert split.block_r * block_c == rows * run_bytes // element_size  # the piece's elements, no idle lanes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_reduced", [1000, 5000, 20000])
+def test_narrow_column_values(monkeypatch, dtype, n_reduced):
+    """Two columns: held blocks of two columns, tall pieces of two (in fp32 at 20000, merged in two levels with one
+    column for the first two programs to merge and none for the rest), each with torch's values."""
+    monkeypatch.setattr(recipes, "_recipes", {})
+    x = randn(2, n_reduced, 2, dtype=dtype)
+    x[1, :, 0] = float("-inf")
+    assert columns.takes_columns(1, x)
+    y, expected = helpers.softmax_forward(x, 1), torch.softmax(x, 1)
+    torch.testing.assert_close(y, expected, equal_nan=True, **LONG_TOLERANCE[dtype])
+    dy = randn(*x.shape, dtype=dtype, scale=1.0)
+    torch.testing.assert_close(helpers.softmax_backward(expected, dy, 1).double(), torch_backward(expected, dy, 1),
+                               equal_nan=True, **LONG_BACKWARD_TOLERANCE[dtype])
+    assert {step.constexprs["BLOCK_C"] for recipe in recipes._recipes.values() for step in recipe.steps} == {2}
 
 
 def test_offsets_past_32_bits_keep_the_rows_path():
@@ -70,7 +125,8 @@ def test_offsets_past_32_bits_keep_the_rows_path():
 @pytest.mark.parametrize("n_inputs", [1, 2])
 def test_plan(n_reduced, n_inner, element_size, n_inputs):
     plan = columns.column_plan(n_reduced, n_inner, element_size, n_inputs)
-    if n_inputs == 2 and n_reduced > columns.MAX_HELD_BACKWARD:  # y and dy take more registers: split sooner
+    if n_inputs == 2 and n_reduced > columns.held_length(n_inner, element_size, 2):  # y and dy: split sooner
+        assert n_reduced > columns.MAX_HELD_BACKWARD
         rows, run_bytes, warps = columns.BACKWARD_PIECE  # a few pieces at most, here
         assert plan == columns.ColumnPlan(rows, run_bytes // element_size, warps, segments=-(-n_reduced // rows))
         return
@@ -81,8 +137,8 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
         assert plan.block_c <= (columns.NARROW_COLUMNS if long else columns.WIDE_COLUMNS)
     else:
         run_bytes = columns.NARROW_RUN_BYTES if long else columns.WIDE_RUN_BYTES
-        assert plan.block_c == columns.MIN_COLUMNS or plan.block_c * element_size <= run_bytes
-    assert plan.block_c <= max(columns.MIN_COLUMNS, n_inner * 2)  # no wider than the columns there are
+        assert plan.block_c * element_size <= run_bytes
+    assert plan.block_c < n_inner * 2  # no wider than the columns there are
     held_bytes = plan.block_r * plan.block_c * element_size * n_inputs
     assert plan.num_warps in (2, 4, 8, 16) and plan.num_warps * columns.WARP_BYTES <= max(2 * columns.WARP_BYTES,
                                                                                           held_bytes)
@@ -184,7 +240,7 @@ def test_backward_held_where_its_split_does_not_fit(monkeypatch, fits):
     monkeypatch.setattr(recipes, "_recipes", {})
     if not fits:
         monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
-    x = randn(2, columns.MAX_HELD, 5)
+    x = randn(2, columns.MAX_HELD, 40)
     y = helpers.softmax_forward(x, 1)
     dy = randn(*x.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
