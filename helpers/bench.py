@@ -333,7 +333,7 @@ COURSE_N = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 26214
 GRID_N = [256, 1024, 4096, 16384, 32768, 50257, 65536, 131072, 151936, 262144]
 
 
-PARTS = ("grid", "long-rows", "other-dims", "latency")
+PARTS = ("grid", "long-rows", "other-dims", "latency", "everyday")
 
 
 def main() -> None:
@@ -355,12 +355,22 @@ def main() -> None:
             print(f"{r.phase:8s} {r.dtype:8s} N={r.N:6d} helpers {r.gbps / r.copy_gbps:5.2f} of copy, "
                   f"best peer {best_peer / r.copy_gbps:5.2f}")
     bench_calls.run(args.parts)
-    spills = residency.spill_report()
-    with path.with_name(path.stem + "-spills.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(spills[0]))
-        writer.writeheader()
-        writer.writerows(spills)
-    print(f"fused kernels compiled: {len(spills)}, with spills: {sum(r['n_spills'] > 0 for r in spills)}")
+    if "everyday" in args.parts:
+        from . import everyday
+
+        calls = everyday.sweep()
+        print(f"wrote {len(calls)} rows to {save_results(calls, everyday.everyday_path(gpu_name()))}")
+        for r in select(calls, impl="helpers"):
+            (torch_call,) = select(calls, impl="torch", case=r.case, phase=r.phase)
+            print(f"{r.phase:8s} {r.case:24s} helpers {r.gpu_us:8.1f} us (host {r.host_us:5.1f}), torch "
+                  f"{torch_call.gpu_us:8.1f} us (host {torch_call.host_us:5.1f})")
+    if "grid" in args.parts:  # the kernels the grid compiled, every plan's
+        spills = residency.spill_report()
+        with path.with_name(path.stem + "-spills.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(spills[0]))
+            writer.writeheader()
+            writer.writerows(spills)
+        print(f"fused kernels compiled: {len(spills)}, with spills: {sum(r['n_spills'] > 0 for r in spills)}")
 
 
 if __name__ == "__main__":

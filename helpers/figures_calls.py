@@ -9,6 +9,7 @@ import matplotlib.ticker
 
 from .bench import select
 from .bench_calls import DECODE_M, HOST_SHAPES, DimResult, Latency, load_latency, load_other_dims
+from .everyday import EverydayResult, load_everyday
 from .figures import STYLE
 
 HOST_TARGET_US = 12  # the course's target: QuACK's host time per call on the H100 when the target was set
@@ -107,8 +108,39 @@ def other_dims_figure(rows: list[DimResult]):
     return fig
 
 
+def speedups(rows: list[EverydayResult], phase: str) -> dict[str, float]:
+    """Each everyday case's GPU time under torch over the course's, in ``phase``: above 1, the course is faster."""
+    us = {(r.case, r.impl): r.gpu_us for r in rows if r.phase == phase}
+    return {case: us[case, "torch"] / us[case, "helpers"] for case, impl in us if impl == "helpers"}
+
+
+def everyday_figure(rows: list[EverydayResult]):
+    """Notebook 07: every everyday case, torch's GPU time over the course's (log scale), forward and backward."""
+    import matplotlib.pyplot as plt
+
+    labels = {r.case: f"{r.case} ({r.shape}, dim {r.dim}, {r.dtype})" for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.3 * len(labels) + 1.2), sharey=True)
+    for ax, phase in zip(axes, ("forward", "backward"), strict=True):
+        ratio = speedups(rows, phase)
+        colours = [STYLE["helpers"][1] if ratio[case] >= 1 else STYLE["torch"][1] for case in labels]
+        ax.barh(range(len(labels)), [ratio[case] for case in labels], color=colours)
+        ax.axvline(1.0, color="black", linewidth=1)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.set_xlabel("torch's GPU time / the course's")
+        ax.set_title(phase)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(labels)), list(labels.values()), fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"everyday calls (right of the line: the course is faster), recorded on {rows[0].gpu}, {rows[0].date}",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def images() -> dict:
     """Notebook 07's files in images/ and their figures."""
     latency = load_latency()
     return {"07_latency.png": latency_figure(latency), "07_host.png": host_figure(latency),
-            "07_other_dims.png": other_dims_figure(load_other_dims())}
+            "07_other_dims.png": other_dims_figure(load_other_dims()),
+            "07_everyday.png": everyday_figure(load_everyday())}
