@@ -15,8 +15,9 @@ import torch
 from .bench import expected_output, gpu_name, read_rows, recorded, results_path, time_ms, wrong_output
 from .device import DEVICE
 
-# (what the call is, shape, dim, dtype, view): the view takes the tensor as made ("contiguous"), transposed ("t") or
-# its first 1000 columns ("sliced").
+# (what the call is, shape, dim, dtype, view): the view takes the tensor as made ("contiguous"), transposed ("t"), its
+# first 1000 columns ("sliced"), its last position along dim 1 ("last", a sampling loop's logits[:, -1]) or in
+# channels-last memory ("channels_last", as convolutions leave it).
 CASES = [
     ("classifier logits", (64, 10), -1, torch.float32, "contiguous"),
     ("ImageNet logits", (256, 1000), -1, torch.float32, "contiguous"),
@@ -28,6 +29,7 @@ CASES = [
     ("LM logits", (8, 1024, 50257), -1, torch.bfloat16, "contiguous"),
     ("sampling one row", (1, 50257), -1, torch.float32, "contiguous"),
     ("sampling 16 rows", (16, 128256), -1, torch.float32, "contiguous"),
+    ("logits[:, -1]", (8, 128, 50257), -1, torch.bfloat16, "last"),
     ("odd rows", (333, 777), -1, torch.float32, "contiguous"),
     ("xyz rows", (100000, 3), -1, torch.float32, "contiguous"),
     ("fp64 rows", (1024, 1024), -1, torch.float64, "contiguous"),
@@ -35,6 +37,7 @@ CASES = [
     ("sliced", (4096, 1024), -1, torch.float32, "sliced"),
     ("150 classes (ADE20K)", (8, 150, 128, 128), 1, torch.float32, "contiguous"),
     ("21 classes, bf16", (4, 21, 256, 256), 1, torch.bfloat16, "contiguous"),
+    ("21 classes, channels last", (4, 21, 256, 256), 1, torch.float32, "channels_last"),
     ("scores over queries", (8, 12, 512, 512), -2, torch.float16, "contiguous"),
     ("dim 0 over 64 columns", (1000, 64), 0, torch.float32, "contiguous"),
     ("dim 0, 20000 x 512", (20000, 512), 0, torch.bfloat16, "contiguous"),
@@ -69,6 +72,10 @@ def make_input(shape: tuple, dtype: torch.dtype, view: str) -> torch.Tensor:
     x = (torch.randn(shape, device=DEVICE) * 4).to(dtype)
     if view == "t":
         return x.t()
+    if view == "last":
+        return x[:, -1]
+    if view == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
     return x[..., :1000] if view == "sliced" else x
 
 
