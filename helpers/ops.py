@@ -217,14 +217,14 @@ def _forward_call(x: torch.Tensor, dim: int):
     strides, softmax over its last dim (contiguous rows) or down its columns (``columns.takes_columns``), the recipe
     launched on ``x`` into ``y``, by default a new output laid out as ``x``. Also the output the recipe was planned
     with (else None), for this first call to write into."""
-    if x.numel() == 0 or x.stride() != _contiguous_strides(x.shape):
-        return (lambda x, x_ptr, y=None: _forward(x, dim)), None
-    first_y = _new_output(x)
-    if dim == x.ndim - 1:
-        recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
-    elif columns.takes_columns(dim, x):
-        recipe = recipes.recipe_for(columns.forward_recipe, (first_y, x), dim)
-    else:
+    recipe = None
+    if x.numel() and x.stride() == _contiguous_strides(x.shape):
+        first_y = _new_output(x)
+        if dim == x.ndim - 1:
+            recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
+        elif columns.takes_columns(dim, x):
+            recipe = recipes.recipe_for(columns.forward_recipe, (first_y, x), dim)
+    if recipe is None:
         return (lambda x, x_ptr, y=None: _forward(x, dim)), None
     device = x.get_device()
 
@@ -239,14 +239,14 @@ def _forward_call(x: torch.Tensor, dim: int):
 
 def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
     """``_forward_call`` for the backward."""
-    if y.numel() == 0 or y.stride() != _contiguous_strides(y.shape) or not dy.is_contiguous():
-        return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim)), None
-    first_dx = _new_output(y)
-    if dim == y.ndim - 1:
-        recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
-    elif columns.takes_columns(dim, y, dy):
-        recipe = recipes.recipe_for(columns.backward_recipe, (first_dx, y, dy), dim)
-    else:
+    recipe = None
+    if y.numel() and y.stride() == _contiguous_strides(y.shape) and dy.is_contiguous():
+        first_dx = _new_output(y)
+        if dim == y.ndim - 1:
+            recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
+        elif columns.takes_columns(dim, y, dy):
+            recipe = recipes.recipe_for(columns.backward_recipe, (first_dx, y, dy), dim)
+    if recipe is None:
         return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim)), None
     device = y.get_device()
 
