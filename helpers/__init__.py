@@ -6,10 +6,10 @@ which must happen before triton is first imported.
 Public API:
     DEVICE, INTERPRET        where kernels run (a torch.device) and whether that is Triton's CPU interpreter
     sized(gpu, cpu), ODD_SHAPE   sizes for this device: real on a GPU, small under the interpreter
-    softmax(x, dim=-1)       autograd-aware softmax (Triton forward, Jacobian-free Triton backward), registered as
-                             the operator torch.ops.softmax_course.softmax (notebook 08)
-    softmax_forward(x, dim)  y = softmax(x, dim)
-    softmax_backward(y, dy, dim)  dx from the forward output y and the incoming gradient dy
+    softmax(x, dim=-1, dtype=None)  autograd-aware softmax (Triton forward, Jacobian-free Triton backward), registered
+                             as the operator torch.ops.softmax_course.softmax (notebook 08); dtype as torch.softmax's
+    softmax_forward(x, dim, dtype)  y = softmax(x, dim, dtype)
+    softmax_backward(y, dy, dim, dtype)  dx (in dtype, by default y's) from the forward output y and the gradient dy
     graph_softmax(x, dim)    notebook 03's softmax, whose backward recomputes the forward and walks its graph
     reference                plain PyTorch forward, backward and explicit Jacobian (the oracles)
     kernels                  the teaching kernels of notebooks 01-05 and their launchers

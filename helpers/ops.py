@@ -78,9 +78,9 @@ def _in_torch_layout(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == strides else t.as_strided(t.shape, strides)
 
 
-def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor) -> torch.Tensor:
+def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Output storage. Tests replace this with a NaN-filled version so unwritten elements show."""
-    return like.new_empty((n_rows, n_cols))
+    return like.new_empty((n_rows, n_cols), dtype=dtype)
 
 
 # The operators. On a GPU they are ``torch.library.triton_op``s: torch.compile sees through them to the kernel launches
@@ -96,34 +96,34 @@ def _operator(name: str, fn):
     return torch.library.triton_op(name, fn, mutates_args=())
 
 
-def _forward(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The body of ``softmax_course::softmax``: rows in, the fused forward launch, rows out."""
+def _forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The body of ``softmax_course::softmax``: rows in, the fused forward launch, rows out in ``dtype``."""
     if x.numel() == 0:
-        return x.new_empty(x.shape)
+        return x.new_empty(x.shape, dtype=dtype)
     if not recipes.plain((x,)) and _runs_eager("forward", dim, x):
-        return _eager_softmax_op(x, dim)  # traced, and best run by the eager launch (below)
+        return _eager_softmax_op(x, dim, dtype)  # traced, and best run by the eager launch (below)
     if columns.takes_columns(dim, x):
-        y = _in_torch_layout(_new_output(x))
+        y = _in_torch_layout(_new_output(x, dtype=dtype))
         columns.launch_columns_forward(x, y, dim)
         return y
     x_rows = _rows(x, dim)
-    y_rows = _new_rows(*x_rows.shape, like=x)
+    y_rows = _new_rows(*x_rows.shape, like=x, dtype=dtype)
     fused.launch_rows_forward(x_rows, y_rows)
     return _unrows(y_rows, x, dim)
 
 
-def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
-    """The body of ``softmax_course::softmax_backward``."""
+def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The body of ``softmax_course::softmax_backward``: dx in ``dtype``."""
     if y.numel() == 0:
-        return y.new_empty(y.shape)
+        return y.new_empty(y.shape, dtype=dtype)
     if not recipes.plain((y, dy)) and _runs_eager("backward", dim, y, dy):
-        return _eager_softmax_backward_op(y, dy, dim)
+        return _eager_softmax_backward_op(y, dy, dim, dtype)
     if columns.takes_columns(dim, y, dy):
-        dx = _in_torch_layout(_new_output(y))
+        dx = _in_torch_layout(_new_output(y, dtype=dtype))
         columns.launch_columns_backward(y, dy, dx, dim)
         return dx
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
-    dx_rows = _new_rows(*y_rows.shape, like=y)
+    dx_rows = _new_rows(*y_rows.shape, like=y, dtype=dtype)
     fused.launch_rows_backward(y_rows, dy_rows, dx_rows)
     return _unrows(dx_rows, y, dim)
 
@@ -142,12 +142,12 @@ _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 #   be lost").
 # The choice is made in the operators' bodies, where a traced size is a number or visibly a symbol: to Dynamo, which
 # runs ``softmax`` itself, every SymInt is an int.
-def _output_like(t: torch.Tensor, dim: int, *others: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor laid out as ``_forward`` or ``_backward`` lays out its result: the fake implementation
-    of the opaque operators."""
+def _output_like(t: torch.Tensor, dim: int, dtype: torch.dtype, *others: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of ``dtype`` laid out as ``_forward`` or ``_backward`` lays out its result: the fake
+    implementation of the opaque operators."""
     if t.numel() == 0 or columns.takes_columns(dim, t, *others):
-        return t.new_empty(t.shape)
-    return _unrows(_new_rows(*_rows(t, dim).shape, like=t), t, dim)
+        return t.new_empty(t.shape, dtype=dtype)
+    return _unrows(_new_rows(*_rows(t, dim).shape, like=t, dtype=dtype), t, dim)
 
 
 def _symbolic(*tensors: torch.Tensor) -> bool:
@@ -164,29 +164,30 @@ def _runs_eager(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) ->
     return plans.plan_for(t.shape[dim], phase, t.element_size()).max_registers is not None
 
 
-def _eager_forward(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _eager_forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """A plain call of ``softmax`` (its launch kept per layout, below), which a compiled graph may run in its
     CUDA-graph memory pool (``recipes.in_graph_pool``)."""
     with recipes.in_graph_pool, torch.no_grad():
-        return softmax(x, dim)
+        return softmax(x, dim, dtype)
 
 
-def _eager_backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+def _eager_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """A plain call of ``softmax_backward``, which a compiled graph may run in its CUDA-graph memory pool."""
     with recipes.in_graph_pool, torch.no_grad():
-        return softmax_backward(y, dy, dim)
+        return softmax_backward(y, dy, dim, dtype)
 
 
 # Defined through ``torch.library.Library`` rather than ``custom_op``, whose Python layers (autograd, aliasing checks)
 # cost a compiled call tens of microseconds on the H100's host. They are called only inside the operators above, below
 # autograd, so they need no autograd of their own.
 _library = torch.library.Library("softmax_course", "FRAGMENT")
-_library.define("softmax_eager(Tensor x, int dim) -> Tensor")
-_library.define("softmax_backward_eager(Tensor y, Tensor dy, int dim) -> Tensor")
+_library.define("softmax_eager(Tensor x, int dim, ScalarType dtype) -> Tensor")
+_library.define("softmax_backward_eager(Tensor y, Tensor dy, int dim, ScalarType dtype) -> Tensor")
 _library.impl("softmax_eager", _eager_forward, "CompositeExplicitAutograd")
 _library.impl("softmax_backward_eager", _eager_backward, "CompositeExplicitAutograd")
 torch.library.register_fake("softmax_course::softmax_eager", _output_like, lib=_library)
-torch.library.register_fake("softmax_course::softmax_backward_eager", lambda y, dy, dim: _output_like(y, dim, dy),
+torch.library.register_fake("softmax_course::softmax_backward_eager",
+                            lambda y, dy, dim, dtype: _output_like(y, dim, dtype, dy),
                             lib=_library)
 _eager_softmax_op = torch.ops.softmax_course.softmax_eager.default
 _eager_softmax_backward_op = torch.ops.softmax_course.softmax_backward_eager.default
@@ -199,9 +200,9 @@ def _traced(*tensors: torch.Tensor) -> bool:
 
 
 # Plain calls (torch.Tensors, outside autograd and torch.compile) of a layout seen before go straight to its launch.
-# The first call of a layout (shapes, strides, dtypes, device, dim, 16-byte starts) is checked and planned into its
-# launch, which it leaves here under that key and then runs: a call of the same key passes the same checks and plans
-# the same. A forward's key has 6 entries and a backward's 10, so they never meet.
+# The first call of a layout (shapes, strides, dtypes, device, dim, 16-byte starts, the dtype asked for) is checked and
+# planned into its launch, which it leaves here under that key and then runs: a call of the same key passes the same
+# checks and plans the same. A forward's key has 7 entries and a backward's 11, so they never meet.
 _plain_calls: dict[tuple, object] = {}
 _new_output = torch.empty_like  # a plain call's output, laid out as its input. Tests replace it, as _new_rows
 
@@ -212,91 +213,109 @@ def _remember(key: tuple, call) -> None:
     _plain_calls[key] = call
 
 
-def _forward_call(x: torch.Tensor, dim: int):
+def _forward_call(x: torch.Tensor, dim: int, dtype: torch.dtype):
     """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for a tensor with a new tensor's
     strides, softmax over its last dim (contiguous rows) or down its columns (``columns.takes_columns``), the recipe
-    launched on ``x`` into ``y``, by default a new output laid out as ``x``. Also the output the recipe was planned
-    with (else None), for this first call to write into."""
+    launched on ``x`` into ``y``, by default a new output of ``dtype`` laid out as ``x``. Also the output the recipe
+    was planned with (else None), for this first call to write into."""
     recipe = None
     if x.numel() and x.stride() == _contiguous_strides(x.shape):
-        first_y = _new_output(x)
+        first_y = _new_output(x, dtype=dtype)
         if dim == x.ndim - 1:
             recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
         elif columns.takes_columns(dim, x):
             recipe = recipes.recipe_for(columns.forward_recipe, (first_y, x), dim)
     if recipe is None:
-        return (lambda x, x_ptr, y=None: _forward(x, dim)), None
+        return (lambda x, x_ptr, y=None: _forward(x, dim, dtype)), None
     device = x.get_device()
 
     def launch(x: torch.Tensor, x_ptr: int, y: torch.Tensor | None = None) -> torch.Tensor:
         if y is None:
-            y = _new_output(x)
+            y = _new_output(x, dtype=dtype)
         recipe.launch((y, x), (y.data_ptr(), x_ptr), device)
         return y
 
     return launch, first_y
 
 
-def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int):
+def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype):
     """``_forward_call`` for the backward."""
     recipe = None
     if y.numel() and y.stride() == _contiguous_strides(y.shape) and dy.is_contiguous():
-        first_dx = _new_output(y)
+        first_dx = _new_output(y, dtype=dtype)
         if dim == y.ndim - 1:
             recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
         elif columns.takes_columns(dim, y, dy):
             recipe = recipes.recipe_for(columns.backward_recipe, (first_dx, y, dy), dim)
     if recipe is None:
-        return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim)), None
+        return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim, dtype)), None
     device = y.get_device()
 
     def launch(y: torch.Tensor, dy: torch.Tensor, y_ptr: int, dy_ptr: int, dx: torch.Tensor | None = None):
         if dx is None:
-            dx = _new_output(y)
+            dx = _new_output(y, dtype=dtype)
         recipe.launch((dx, y, dy), (dx.data_ptr(), y_ptr, dy_ptr), device)
         return dx
 
     return launch, first_dx
 
 
-def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim)`` on the course's device, and a PyTorch operator
-    (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 08).
+def _result_dtype(dtype: object, default: torch.dtype) -> torch.dtype:
+    """A result's dtype: ``dtype``, or ``default`` where it is None."""
+    if dtype is None:
+        return default
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be a floating-point torch.dtype (float16, bfloat16, float32 or float64), "
+                        f"got {dtype}")
+    return dtype
 
-    fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64. Its backward is
-    ``softmax_backward`` of the saved output.
+
+def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Autograd-aware softmax: a drop-in for ``torch.softmax(x, dim, dtype)`` on the course's device, and a PyTorch
+    operator (``torch.ops.softmax_course.softmax``) that torch.compile traces through on a GPU (notebook 08).
+
+    fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64. ``dtype``, as
+    torch's, is the output's, to which ``x`` is cast first: a 16-bit ``x`` to fp32 (the upcast attention code asks
+    for) in the kernels as they load it, any other cast by ``x.to(dtype)``. Its backward is ``softmax_backward`` of
+    the saved output, into ``x``'s dtype.
     """
     key = None
     if not torch.compiler.is_compiling() and type(x) is torch.Tensor:
         x_ptr = x.data_ptr()
-        key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0)
+        key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0, dtype)
         call = _plain_calls.get(key)
         if call is not None and not (x.requires_grad and torch.is_grad_enabled()):
             return call(x, x_ptr)
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
+    y_dtype = _result_dtype(dtype, x.dtype)
+    if y_dtype != x.dtype and not (y_dtype == torch.float32 and x.element_size() == 2):
+        return softmax(x.to(y_dtype), dim)  # a cast the kernels do not make as they load: torch's order
     if _traced(x):
-        return _softmax_op(x, dim)
+        return _softmax_op(x, dim, y_dtype)
     if x.requires_grad and torch.is_grad_enabled():
-        return Softmax.apply(x, dim)  # the operator's autograd, without its dispatcher; its forward comes back here
-    call, y = _forward_call(x, dim)
+        return Softmax.apply(x, dim, y_dtype)  # the operator's autograd, without its dispatcher; back here to run
+    call, y = _forward_call(x, dim, y_dtype)
     _remember(key, call)
     return call(x, x_ptr, y)
 
 
-def softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``y = softmax(x, dim)`` by the fused Triton forward kernels (notebook 06): the same operator as ``softmax``."""
-    return softmax(x, dim)
+def softmax_forward(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y = softmax(x, dim, dtype)`` by the fused Triton forward kernels (notebook 06): the same operator as
+    ``softmax``."""
+    return softmax(x, dim, dtype)
 
 
-def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``,
-    by the fused Triton backward kernels (notebook 06); ``torch.ops.softmax_course.softmax_backward``."""
+    by the fused Triton backward kernels (notebook 06); ``torch.ops.softmax_course.softmax_backward``. It is computed
+    in fp32 (fp64 if ``y`` or ``dy`` is) and stored in ``dtype``, the forward input's, by default ``y``'s."""
     key = None
     if not torch.compiler.is_compiling() and type(y) is torch.Tensor and type(dy) is torch.Tensor:
         y_ptr, dy_ptr = y.data_ptr(), dy.data_ptr()
         key = (y.shape, dy.shape, y.stride(), dy.stride(), y.dtype, dy.dtype, y.get_device(), dim, y_ptr % 16 == 0,
-               dy_ptr % 16 == 0)
+               dy_ptr % 16 == 0, dtype)
         call = _plain_calls.get(key)
         if call is not None and not (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
             return call(y, dy, y_ptr, dy_ptr)
@@ -305,9 +324,10 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
+    dx_dtype = _result_dtype(dtype, y.dtype)
     if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
-        return _softmax_backward_op(y, dy, dim)
-    call, dx = _backward_call(y, dy, dim)
+        return _softmax_backward_op(y, dy, dim, dx_dtype)
+    call, dx = _backward_call(y, dy, dim, dx_dtype)
     _remember(key, call)
     return call(y, dy, y_ptr, dy_ptr, dx)
 
@@ -316,19 +336,19 @@ class Softmax(torch.autograd.Function):
     """Triton forward; the backward uses only the saved output ``y`` (no Jacobian, no re-read of ``x``)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
-        return softmax_forward(x, dim)
+    def forward(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return softmax_forward(x, dim, dtype)
 
     @staticmethod
-    def setup_context(ctx, inputs: tuple[torch.Tensor, int], output: torch.Tensor) -> None:
+    def setup_context(ctx, inputs: tuple[torch.Tensor, int, torch.dtype | None], output: torch.Tensor) -> None:
         ctx.save_for_backward(output)  # y, not x
-        ctx.dim = inputs[1]
+        ctx.dim, ctx.x_dtype = inputs[1], inputs[0].dtype
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (y,) = ctx.saved_tensors
-        return softmax_backward(y, dy, ctx.dim), None
+        return softmax_backward(y, dy, ctx.dim, ctx.x_dtype), None, None
 
 
 # The operator's autograd is this Function's: the same context and backward, registered once (notebook 08).
@@ -351,7 +371,7 @@ class GraphSoftmax(torch.autograd.Function):
         if x.numel() == 0:
             return torch.zeros_like(x), None
         x_rows, dy_rows = _rows(x, ctx.dim), _rows(dy, ctx.dim)
-        dx_rows = _new_rows(*x_rows.shape, like=x)
+        dx_rows = _new_rows(*x_rows.shape, like=x, dtype=x.dtype)
         kernels.launch_graph_backward(x_rows, dy_rows, dx_rows)
         return _unrows(dx_rows, x, ctx.dim), None
 

@@ -43,11 +43,11 @@ BACKWARD_TOLERANCE = {
 def poisoned_outputs(monkeypatch):
     """Every output the ops allocate starts as NaN: an element a kernel forgets to write cannot pass a comparison."""
 
-    def nan_rows(n_rows, n_cols, like):
-        return torch.full((n_rows, n_cols), float("nan"), dtype=like.dtype, device=like.device)
+    def nan_rows(n_rows, n_cols, like, dtype):
+        return torch.full((n_rows, n_cols), float("nan"), dtype=dtype, device=like.device)
 
     monkeypatch.setattr(ops, "_new_rows", nan_rows)
-    monkeypatch.setattr(ops, "_new_output", lambda like: torch.full_like(like, float("nan")))
+    monkeypatch.setattr(ops, "_new_output", lambda like, dtype: torch.full_like(like, float("nan"), dtype=dtype))
     monkeypatch.setattr(ops, "_plain_calls", {})  # each test's first call of a layout is checked and planned
 
 

@@ -149,9 +149,9 @@ def test_a_call_allocates_only_its_output(monkeypatch):
     and nothing else: the first plans with the output it then writes."""
     made = []
 
-    def counted(like):
+    def counted(like, dtype):
         made.append(like.shape)
-        return torch.full_like(like, float("nan"))
+        return torch.full_like(like, float("nan"), dtype=dtype)
 
     monkeypatch.setattr(ops, "_new_output", counted)
     monkeypatch.setattr(ops, "_new_rows", lambda *args, **kwargs: pytest.fail("a plain call of rows planned with "

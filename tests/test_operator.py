@@ -17,29 +17,33 @@ FORWARD, BACKWARD = torch.ops.softmax_course.softmax.default, torch.ops.softmax_
 
 
 def forward_cases():
+    """(x, dim, the output's dtype)."""
     odd = randn(5, 3, 37, dtype=torch.float64)
     return [
-        (randn(7, 33), -1),
-        (randn(7, 33, dtype=torch.bfloat16), 0),
-        (odd, 1),
-        (odd.transpose(0, 2), 2),  # non-contiguous
-        (randn(0, 9), -1),  # empty
+        (randn(7, 33), -1, torch.float32),
+        (randn(7, 33, dtype=torch.bfloat16), 0, torch.bfloat16),
+        (odd, 1, torch.float64),
+        (odd.transpose(0, 2), 2, torch.float64),  # non-contiguous
+        (randn(0, 9), -1, torch.float32),  # empty
+        (randn(7, 33, dtype=torch.float16), -1, torch.float32),  # upcast as loaded: rows and columns
+        (randn(7, 33, dtype=torch.bfloat16), 0, torch.float32),
     ]
 
 
 @pytest.mark.parametrize("case", range(len(forward_cases())))
 def test_opcheck_forward(case):
-    x, dim = forward_cases()[case]
-    results = torch.library.opcheck(FORWARD, (x.requires_grad_(), dim))
+    x, dim, dtype = forward_cases()[case]
+    results = torch.library.opcheck(FORWARD, (x.requires_grad_(), dim, dtype))
     assert set(results.values()) == {"SUCCESS"}, results
 
 
 @pytest.mark.parametrize("case", range(len(forward_cases())))
 def test_opcheck_backward(case):
-    x, dim = forward_cases()[case]
-    y = torch.softmax(x.float(), dim).to(x.dtype)
-    dy = randn(*x.shape, dtype=x.dtype).expand_as(y)  # the expanded gradients autograd passes work too
-    results = torch.library.opcheck(BACKWARD, (y, dy, dim))
+    """y and dy in the forward output's dtype, dx in its input's."""
+    x, dim, dtype = forward_cases()[case]
+    y = torch.softmax(x.float(), dim).to(dtype)
+    dy = randn(*x.shape, dtype=dtype).expand_as(y)  # the expanded gradients autograd passes work too
+    results = torch.library.opcheck(BACKWARD, (y, dy, dim, x.dtype))
     assert set(results.values()) == {"SUCCESS"}, results
 
 
@@ -47,9 +51,9 @@ def test_opcheck_long_rows(looped):
     """The split kernels (rows cut into pieces with a ticket counter) through the op, fake tensors included."""
     x = randn(6, 100)
     assert helpers.plans.plan_for(100, "forward").segments > 1
-    assert set(torch.library.opcheck(FORWARD, (x, -1)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(FORWARD, (x, -1, x.dtype)).values()) == {"SUCCESS"}
     y = torch.softmax(x, -1)
-    assert set(torch.library.opcheck(BACKWARD, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(BACKWARD, (y, randn(6, 100), -1, y.dtype)).values()) == {"SUCCESS"}
 
 
 def traced_operators(fn, tracing_mode: str, *args) -> set[str]:
@@ -71,16 +75,16 @@ def test_eager_operators_where_a_traced_plan_would_not_hold(looped):
     eager_forward = torch.ops.softmax_course.softmax_eager.default
     eager_backward = torch.ops.softmax_course.softmax_backward_eager.default
     for x, dim in ((x16, -1), (x32.t(), 0), (x32.t().contiguous(), 0)):  # rows, rows of a view, columns
-        assert set(torch.library.opcheck(eager_forward, (x, dim)).values()) == {"SUCCESS"}
+        assert set(torch.library.opcheck(eager_forward, (x, dim, x.dtype)).values()) == {"SUCCESS"}
     y = torch.softmax(x32, -1)
-    assert set(torch.library.opcheck(eager_backward, (y, randn(6, 100), -1)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(eager_backward, (y, randn(6, 100), -1, y.dtype)).values()) == {"SUCCESS"}
 
     forward, backward = helpers.ops._forward, helpers.ops._backward
-    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1), "fake", x16)
-    assert not any("eager" in op for op in traced_operators(lambda x: forward(x, 1), "fake", x32))
-    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1), "symbolic", x32)
-    assert "softmax_course.softmax_backward_eager.default" in traced_operators(lambda y, dy: backward(y, dy, 1),
-                                                                               "fake", y, y)
+    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x16)
+    assert not any("eager" in op for op in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x32))
+    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1, x.dtype), "symbolic", x32)
+    assert "softmax_course.softmax_backward_eager.default" in traced_operators(
+        lambda y, dy: backward(y, dy, 1, y.dtype), "fake", y, y)
     torch._dynamo.reset()
     x = x32.clone().requires_grad_()
     dy = randn(6, 100)
