@@ -17,7 +17,9 @@ from .device import DEVICE
 
 # (what the call is, shape, dim, dtype, view): the view takes the tensor as made ("contiguous"), transposed ("t"), its
 # first 1000 columns ("sliced"), its last position along dim 1 ("last", a sampling loop's logits[:, -1]) or in
-# channels-last memory ("channels_last", as convolutions leave it).
+# channels-last memory ("channels_last", as convolutions leave it), or takes it as made and asks for an fp32 result
+# ("fp32 result": softmax(x, dim, dtype=torch.float32), as attention code upcasts 16-bit scores; its backward
+# returns dx in x's dtype).
 CASES = [
     ("classifier logits", (64, 10), -1, torch.float32, "contiguous"),
     ("ImageNet logits", (256, 1000), -1, torch.float32, "contiguous"),
@@ -25,6 +27,8 @@ CASES = [
     ("MoE router, 64 experts", (8192, 64), -1, torch.bfloat16, "contiguous"),
     ("attention scores, 512", (8, 12, 512, 512), -1, torch.float16, "contiguous"),
     ("attention scores, 2048", (2, 16, 2048, 2048), -1, torch.bfloat16, "contiguous"),
+    ("scores to fp32", (2, 16, 2048, 2048), -1, torch.bfloat16, "fp32 result"),
+    ("fp16 scores to fp32", (8, 12, 512, 512), -1, torch.float16, "fp32 result"),
     ("decode scores", (1, 32, 1, 4096), -1, torch.bfloat16, "contiguous"),
     ("LM logits", (8, 1024, 50257), -1, torch.bfloat16, "contiguous"),
     ("sampling one row", (1, 50257), -1, torch.float32, "contiguous"),
@@ -89,6 +93,15 @@ def load_everyday(path: Path | None = None) -> list[EverydayResult]:
     return read_rows(path or recorded(everyday_path), EverydayResult)
 
 
+def torch_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype):
+    """torch's backward of ``torch.softmax(x, dim, y.dtype)`` for an x of ``dtype``, as its autograd runs it. On a GPU
+    torch casts a 16-bit x to an fp32 y inside its softmax kernels for fp16 only (its half_to_float kernels); a bf16 x
+    is cast first, so its gradient is the fp32 backward and then the cast's."""
+    if dtype == y.dtype or dtype == torch.float16:
+        return functools.partial(torch._softmax_backward_data, dy, y, dim, dtype)
+    return lambda: torch._softmax_backward_data(dy, y, dim, y.dtype).to(dtype)
+
+
 def sweep(progress: bool = True) -> list[EverydayResult]:
     """The course and torch on every case of CASES, forward and backward, each output checked first."""
     from tqdm.auto import tqdm
@@ -100,16 +113,21 @@ def sweep(progress: bool = True) -> list[EverydayResult]:
     results = []
     for case, shape, dim, dtype, view in tqdm(CASES, desc="everyday calls", disable=not progress):
         x = make_input(shape, dtype, view)
-        y, dy = torch.softmax(x, dim), torch.randn_like(x)
-        calls = {"forward": {"helpers": functools.partial(softmax, x, dim),
-                             "torch": functools.partial(torch.softmax, x, dim)},
-                 "backward": {"helpers": functools.partial(softmax_backward, y, dy, dim),
-                              "torch": functools.partial(torch._softmax_backward_data, dy, y, dim % x.ndim, dtype)}}
+        y_dtype = torch.float32 if view == "fp32 result" else dtype
+        y = torch.softmax(x, dim, dtype=y_dtype)
+        dy = torch.randn_like(y)
+        calls = {"forward": {"helpers": functools.partial(softmax, x, dim, y_dtype),
+                             "torch": functools.partial(torch.softmax, x, dim, dtype=y_dtype)},
+                 "backward": {"helpers": functools.partial(softmax_backward, y, dy, dim, dtype),
+                              "torch": torch_backward(y, dy, dim % x.ndim, dtype)}}
         for phase, fns in calls.items():
             expected = expected_output(phase, x, y, dy, dim)
             for name, fn in fns.items():
-                if (problem := wrong_output(fn(), expected)) is not None:
+                output = fn()
+                if (problem := wrong_output(output, expected)) is not None:
                     raise AssertionError(f"{name} {phase} of {case}: {problem}")
+                if output.dtype != (y_dtype if phase == "forward" else dtype):
+                    raise AssertionError(f"{name} {phase} of {case}: {output.dtype}")
             first, second = ({name: time_ms(fn) for name, fn in fns.items()} for _ in range(2))
             host = cpu_ms_per_calls(fns, calls=100, repeats=5)
             for name in fns:
