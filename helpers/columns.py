@@ -47,8 +47,9 @@ WARP_BYTES = 8192
 # 128-byte runs merged in two levels while a dim has at most MAX_TWO_LEVEL_PIECES of them (held three at a time; no
 # 16-bit piece merged in two levels beat FORWARD_PIECE). The backward takes pieces of 128-byte runs, short ones while a
 # dim has at most MAX_BACKWARD_PIECES of them (their one-level merge of SEGMENTS x BLOCK_C partials would outgrow the
-# registers past that), tall ones up to MAX_TALL_PIECES (as many as an H100 holds at one program an SM), and
-# LONG_BACKWARD_PIECE, of 64-byte runs, where neither fits.
+# registers past that), tall ones up to MAX_TALL_PIECES (as many as an H100 holds at one program an SM),
+# LONG_BACKWARD_PIECE, of 64-byte runs, where neither fits, and LONGEST_BACKWARD_PIECE, of 32-byte runs, where the
+# GPU does not hold a group of long ones.
 FORWARD_PIECE = (2048, 32, 16)
 TWO_LEVEL_PIECE = (256, 128, 4)
 MAX_TWO_LEVEL_PIECES = 128
@@ -57,6 +58,7 @@ MAX_BACKWARD_PIECES = 64
 TALL_BACKWARD_PIECE = (256, 128, 8)
 MAX_TALL_PIECES = 128
 LONG_BACKWARD_PIECE = (512, 64, 8)
+LONGEST_BACKWARD_PIECE = (1024, 32, 8)
 # A split whose pieces do not fit the GPU together is walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS
 # rows at a time, LOOPED_WARPS warps: 3 transfers for the forward's 2, 5 for the backward's 3. Long dims take the
 # columns where the GPU surely holds a group of their last pieces together (``split_surely_fits``), or where at least
@@ -119,16 +121,16 @@ def split_plans(n_reduced: int, element_size: int, n_inputs: int, n_inner: int =
         pieces.append((FORWARD_PIECE, None, 1))
     else:
         pieces = [(BACKWARD_PIECE, MAX_BACKWARD_PIECES, 1), (TALL_BACKWARD_PIECE, MAX_TALL_PIECES, 1),
-                  (LONG_BACKWARD_PIECE, None, 1)]
+                  (LONG_BACKWARD_PIECE, None, 1), (LONGEST_BACKWARD_PIECE, None, 1)]
     columns_there = plans.next_power_of_2(int(n_inner))
     split = []
     for (rows, run_bytes, warps), most, levels in pieces:
         run = run_bytes // element_size
         block_c = run if columns_there >= MIN_COLUMNS else min(run, columns_there)
         block_r = rows * run // block_c
-        segments = plans.cdiv(n_reduced, block_r)
-        if most is None or segments <= most:
-            split.append(ColumnPlan(block_r, block_c, warps, segments=segments, levels=levels))
+        plan = ColumnPlan(block_r, block_c, warps, segments=plans.cdiv(n_reduced, block_r), levels=levels)
+        if (most is None or plan.segments <= most) and plan not in split:  # over narrow columns, long and longest meet
+            split.append(plan)
     return split
 
 

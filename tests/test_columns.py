@@ -164,14 +164,14 @@ def test_split_plan(n_inputs, n_reduced, element_size, piece):
     """Past MAX_HELD, pieces of a fixed shape, as many as the dim needs: in an fp32 forward, short ones merged in two
     levels up to MAX_TWO_LEVEL_PIECES of them; in the backward, short ones up to MAX_BACKWARD_PIECES of them, then
     tall ones up to MAX_TALL_PIECES; else long. The pieces after the first are the launch's fallbacks, in order,
-    ending with one for any length."""
+    ending with one for any length (the backward's longest, after the long)."""
     rows, run_bytes, warps = getattr(columns, piece)
     plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
     assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
     assert plan.levels == (2 if piece == "TWO_LEVEL_PIECE" else 1)
     assert (plan.segments - 1) * plan.block_r < n_reduced <= plan.segments * plan.block_r and not plan.looped
     plans = columns.split_plans(n_reduced, element_size, n_inputs)
-    last = columns.FORWARD_PIECE if n_inputs == 1 else columns.LONG_BACKWARD_PIECE
+    last = columns.FORWARD_PIECE if n_inputs == 1 else columns.LONGEST_BACKWARD_PIECE
     assert plans[0] == plan and (plans[-1].block_r, plans[-1].num_warps) == (last[0], last[2])
     assert [p.block_r for p in plans] == sorted(p.block_r for p in plans)  # taller pieces, fewer of them, as they go
 
@@ -298,3 +298,35 @@ print("ok", sms, step.constexprs["SEGMENTS"], flush=True)
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the split's programs wait for each other only there")
 def test_tall_backward_pieces_on_the_gpu():
     assert run_with_timeout(GPU_TALL_PIECES).startswith("ok")
+
+
+# A GPU subprocess: the backward over dim 0 of a (100000, 64) tensor, against torch. Long pieces would be 196, more than
+# the 132 programs of 8 warps an H100 surely holds; the longest pieces are 98, split where the rows would read each
+# column as a strided row.
+GPU_LONGEST_PIECES = r"""
+import torch
+import helpers
+from helpers import columns, recipes
+
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(100000, 64, device="cuda") * 4
+    y, dy = torch.softmax(x, 0).to(dtype), torch.randn_like(x).to(dtype)
+    expected = torch._softmax_backward_data(dy.double(), y.double(), 0, torch.float64)
+    recipes._recipes.clear()
+    for call in range(3):
+        torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), expected, atol=2e-2 if dtype ==
+                                   torch.bfloat16 else 1e-6, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+    (step,) = [recipe.steps[0] for recipe in recipes._recipes.values()]
+    if sms >= 98:
+        assert step.kernel is columns.softmax_backward_column_split_kernel, step.kernel
+        rows, run_bytes, warps = columns.LONGEST_BACKWARD_PIECE
+        assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"], step.num_warps) == (rows, 98, warps), step
+        assert step.constexprs["BLOCK_C"] * y.element_size() == run_bytes
+print("ok", sms, flush=True)
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the split's programs wait for each other only there")
+def test_longest_backward_pieces_on_the_gpu():
+    assert run_with_timeout(GPU_LONGEST_PIECES).startswith("ok")
