@@ -75,6 +75,11 @@ def torch_backward(y, dy, dim):
     return torch._softmax_backward_data(dy.double(), y.double(), dim, torch.float64)
 
 
+def launched() -> set[str]:
+    """The kernels of the launches planned in this test (a test that asks starts with ``recipes._recipes`` empty)."""
+    return {step.kernel.fn.__name__ for recipe in helpers.recipes._recipes.values() for step in recipe.steps}
+
+
 def run_with_timeout(script: str, *args: str, timeout: int = 300) -> str:
     """``script`` run in a fresh Python with ``args``; its stdout. Programs that wait for each other could hang: the
     timeout fails the test instead of stopping the run, and a non-zero exit fails it with the output's end."""

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, DTYPES, ON_GPU, TOLERANCE, randn, run_with_timeout, torch_backward
+from conftest import BACKWARD_TOLERANCE, DTYPES, ON_GPU, TOLERANCE, launched, randn, run_with_timeout, torch_backward
 
 import helpers
 from helpers import columns, recipes, residency
@@ -193,11 +193,6 @@ def test_split_takes_the_first_plan_that_fits(monkeypatch, dtype):
     (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1]]
     assert step.kernel.fn.__name__ == "softmax_backward_column_split_kernel"
     assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"]) == (256, 3)
-
-
-def launched():
-    """The kernels of the launches planned in this test (``recipes._recipes`` starts empty in each)."""
-    return {step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

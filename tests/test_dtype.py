@@ -4,17 +4,13 @@ x's dtype; other casts go through ``x.to(dtype)``."""
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, TOLERANCE, randn, torch_backward
+from conftest import BACKWARD_TOLERANCE, TOLERANCE, launched, randn, torch_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import helpers
 from helpers import columns, recipes, residency
 
 HALVES = [torch.float16, torch.bfloat16]
-
-
-def launched() -> set[str]:
-    return {step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps}
 
 
 class CastsSeen(TorchDispatchMode):
