@@ -138,9 +138,50 @@ def everyday_figure(rows: list[EverydayResult]):
     return fig
 
 
+def load_turned() -> list[dict]:
+    """The recorded probe of turned tiles (results/README.md, "Turned tiles"): each call before, after, and torch."""
+    import csv
+
+    from .bench import RESULTS_DIR
+
+    with (RESULTS_DIR / "nvidia-h100-80gb-hbm3-turned-tiles.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def turned_figure(rows: list[dict]):
+    """Notebook 07: turned tiles against the path before them (rows, and the copies around them) and torch, fraction
+    of copy bandwidth, forward and backward."""
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["case"], r["dtype"]) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.42 * len(cases) + 1.4), sharey=True)
+    bars = (("torch", STYLE["torch"][0], STYLE["torch"][1]), ("before", "the rows path before them", "tab:gray"),
+            ("turned", "turned tiles", STYLE["helpers"][1]))
+    height = 0.8 / len(bars)
+    for ax, phase in zip(axes, ("forward", "backward"), strict=True):
+        for k, (variant, label, colour) in enumerate(bars):
+            fractions = []
+            for case in cases:
+                found = {r["variant"]: r for r in rows if (r["case"], r["dtype"]) == case and r["phase"] == phase}
+                turned = found["turned"]
+                fractions.append(float(turned["fraction_of_copy"]) * float(turned["us"]) / float(turned["torch_us"])
+                                 if variant == "torch" else float(found[variant]["fraction_of_copy"]))
+            ax.barh([i + (k - 1) * height for i in range(len(cases))], fractions, height, color=colour, label=label)
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlabel("fraction of copy bandwidth")
+        ax.set_title(phase)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(cases)), [f"{case} ({dtype})" for case, dtype in cases], fontsize=8)
+    axes[0].invert_yaxis()
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=len(bars))
+    fig.suptitle(f"recorded on {rows[0]['gpu']}, {rows[0]['date']}  (dashed: the copy limit)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
 def images() -> dict:
     """Notebook 07's files in images/ and their figures."""
     latency = load_latency()
     return {"07_latency.png": latency_figure(latency), "07_host.png": host_figure(latency),
             "07_other_dims.png": other_dims_figure(load_other_dims()),
-            "07_everyday.png": everyday_figure(load_everyday())}
+            "07_everyday.png": everyday_figure(load_everyday()), "07_turned.png": turned_figure(load_turned())}

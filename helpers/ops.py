@@ -2,9 +2,11 @@
 
 Any rank and dim. Softmax over another dim than the last of contiguous tensors takes the column kernels
 (``helpers.columns``: held whole, split into pieces that exchange partials (``helpers.column_split``), or walked), and
-its output is laid out as its input. Otherwise the softmax dim is moved last and the rest flattened into rows, a view
-when strides allow it and a copy otherwise, and the output is fresh contiguous rows in the input's shape, contiguous as
-torch's (a copy where the dim was not last). Inputs are never written.
+its output is laid out as its input. A dim held whole whose elements lie next to each other in the input but not in
+torch's output (channels-last activations over their channels), or the other way round (a transposed x over its last
+dim), takes turned tiles (``columns.takes_turned``). Otherwise the softmax dim is moved last and the rest flattened
+into rows, a view when strides allow it and a copy otherwise, and the output is fresh contiguous rows in the input's
+shape, contiguous as torch's (a copy where the dim was not last). Inputs are never written.
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor, dtype: torch.dtype) 
     return like.new_empty((n_rows, n_cols), dtype=dtype)
 
 
+def _new_contiguous_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous tensor of ``like``'s shape (torch.softmax's layout for any input). Tests replace it too."""
+    return torch.empty(like.shape, dtype=dtype, device=like.device)
+
+
 # The operators. On a GPU they are ``torch.library.triton_op``s: torch.compile sees through them to the kernel launches
 # (``kernels.launch`` wraps them with ``wrap_triton``) and schedules those like its own kernels. Triton's interpreter
 # cannot be traced, so on CPU they are opaque ``custom_op``s: torch.compile calls them as a black box. Either way the
@@ -106,6 +113,10 @@ def _forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         y = _in_torch_layout(_new_output(x, dtype=dtype))
         columns.launch_columns_forward(x, y, dim)
         return y
+    if columns.takes_turned(dim, x):
+        y = _new_contiguous_output(x, dtype)
+        columns.launch_turned_forward(x, y, dim)
+        return y
     x_rows = _rows(x, dim)
     y_rows = _new_rows(*x_rows.shape, like=x, dtype=dtype)
     fused.launch_rows_forward(x_rows, y_rows)
@@ -121,6 +132,10 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -
     if columns.takes_columns(dim, y, dy):
         dx = _in_torch_layout(_new_output(y, dtype=dtype))
         columns.launch_columns_backward(y, dy, dx, dim)
+        return dx
+    if columns.takes_turned(dim, y, dy):
+        dx = _new_contiguous_output(y, dtype)
+        columns.launch_turned_backward(y, dy, dx, dim)
         return dx
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y, dtype=dtype)
@@ -159,7 +174,7 @@ def _runs_eager(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) ->
     """Whether a traced call over ``dim`` of ``t`` (and ``others``) is recorded as an opaque operator (above)."""
     if _symbolic(t, *others):
         return True
-    if t.numel() == 0 or columns.takes_columns(dim, t, *others):
+    if t.numel() == 0 or columns.takes_columns(dim, t, *others) or columns.takes_turned(dim, t, *others):
         return False
     return plans.plan_for(t.shape[dim], phase, t.element_size()).max_registers is not None
 
@@ -215,23 +230,28 @@ def _remember(key: tuple, call) -> None:
 
 def _forward_call(x: torch.Tensor, dim: int, dtype: torch.dtype):
     """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for a tensor with a new tensor's
-    strides, softmax over its last dim (contiguous rows) or down its columns (``columns.takes_columns``), the recipe
-    launched on ``x`` into ``y``, by default a new output of ``dtype`` laid out as ``x``. Also the output the recipe
-    was planned with (else None), for this first call to write into."""
-    recipe = None
-    if x.numel() and x.stride() == _contiguous_strides(x.shape):
+    strides, softmax over its last dim (contiguous rows) or down its columns (``columns.takes_columns``), or for
+    turned tiles (``columns.takes_turned``), the recipe launched on ``x`` into ``y``, by default a new output of
+    ``dtype`` in torch's layout. Also the output the recipe was planned with (else None), for this first call to
+    write into."""
+    recipe, new_output = None, _new_output
+    contiguous = x.numel() and x.stride() == _contiguous_strides(x.shape)
+    if contiguous and (dim == x.ndim - 1 or columns.takes_columns(dim, x)):
         first_y = _new_output(x, dtype=dtype)
         if dim == x.ndim - 1:
             recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
-        elif columns.takes_columns(dim, x):
+        else:
             recipe = recipes.recipe_for(columns.forward_recipe, (first_y, x), dim)
+    elif x.numel() and columns.takes_turned(dim, x):
+        first_y, new_output = _new_contiguous_output(x, dtype), _new_contiguous_output
+        recipe = recipes.recipe_for(columns.turned_forward_recipe, (first_y, x), dim)
     if recipe is None:
         return (lambda x, x_ptr, y=None: _forward(x, dim, dtype)), None
     device = x.get_device()
 
     def launch(x: torch.Tensor, x_ptr: int, y: torch.Tensor | None = None) -> torch.Tensor:
         if y is None:
-            y = _new_output(x, dtype=dtype)
+            y = new_output(x, dtype=dtype)
         recipe.launch((y, x), (y.data_ptr(), x_ptr), device)
         return y
 
@@ -240,20 +260,24 @@ def _forward_call(x: torch.Tensor, dim: int, dtype: torch.dtype):
 
 def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype):
     """``_forward_call`` for the backward."""
-    recipe = None
-    if y.numel() and y.stride() == _contiguous_strides(y.shape) and dy.is_contiguous():
+    recipe, new_output = None, _new_output
+    contiguous = y.numel() and y.stride() == _contiguous_strides(y.shape) and dy.is_contiguous()
+    if contiguous and (dim == y.ndim - 1 or columns.takes_columns(dim, y, dy)):
         first_dx = _new_output(y, dtype=dtype)
         if dim == y.ndim - 1:
             recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
-        elif columns.takes_columns(dim, y, dy):
+        else:
             recipe = recipes.recipe_for(columns.backward_recipe, (first_dx, y, dy), dim)
+    elif y.numel() and columns.takes_turned(dim, y, dy):
+        first_dx, new_output = _new_contiguous_output(y, dtype), _new_contiguous_output
+        recipe = recipes.recipe_for(columns.turned_backward_recipe, (first_dx, y, dy), dim)
     if recipe is None:
         return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim, dtype)), None
     device = y.get_device()
 
     def launch(y: torch.Tensor, dy: torch.Tensor, y_ptr: int, dy_ptr: int, dx: torch.Tensor | None = None):
         if dx is None:
-            dx = _new_output(y, dtype=dtype)
+            dx = new_output(y, dtype=dtype)
         recipe.launch((dx, y, dy), (dx.data_ptr(), y_ptr, dy_ptr), device)
         return dx
 

@@ -48,6 +48,8 @@ def poisoned_outputs(monkeypatch):
 
     monkeypatch.setattr(ops, "_new_rows", nan_rows)
     monkeypatch.setattr(ops, "_new_output", lambda like, dtype: torch.full_like(like, float("nan"), dtype=dtype))
+    monkeypatch.setattr(ops, "_new_contiguous_output",
+                        lambda like, dtype: torch.full(like.shape, float("nan"), dtype=dtype, device=like.device))
     monkeypatch.setattr(ops, "_plain_calls", {})  # each test's first call of a layout is checked and planned
 
 

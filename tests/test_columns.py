@@ -325,3 +325,102 @@ print("ok", sms, flush=True)
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the split's programs wait for each other only there")
 def test_longest_backward_pieces_on_the_gpu():
     assert run_with_timeout(GPU_LONGEST_PIECES).startswith("ok")
+
+
+# Turned tiles: (how the input is made from a contiguous tensor of ``shape``, shape, dim). The dim held whole next to
+# itself in memory where torch's output holds it apart, or apart where torch's output holds it next to itself.
+TURNED = [
+    pytest.param(lambda t: t.contiguous(memory_format=torch.channels_last), (4, 21, 6, 5), 1, id="channels-last"),
+    pytest.param(lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), (3, 19, 10), 1, id="channels-last-1d"),
+    pytest.param(lambda t: t.t().contiguous().t(), (9, 40), -1, id="transposed"),
+    pytest.param(lambda t: t.t().contiguous().t()[2:7], (9, 40), -1, id="transposed-sliced"),
+    pytest.param(lambda t: t.t().contiguous().t(), (40, 9), 0, id="transposed-dim-0"),
+    pytest.param(lambda t: t.contiguous(memory_format=torch.channels_last).expand(3, -1, -1, -1), (1, 6, 4, 5), 1,
+                 id="expanded"),
+    pytest.param(lambda t: t.t().contiguous().t(), (columns.TURNED_LONG + 3, 17), -1, id="long-transposed"),
+]
+
+
+def turned_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor laid out as ``like`` (y and dy as a turned layer's autograd would hand them over): ``t``'s values,
+    those at index 0 of the dims ``like`` expands."""
+    first = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in like.stride())
+    t, like_first = t[first], like[first]
+    return torch.empty_strided(like_first.shape, like_first.stride(), dtype=t.dtype, device=t.device).copy_(t).expand(
+        like.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("make, shape, dim", TURNED)
+def test_turned_values_and_layout(monkeypatch, make, shape, dim, dtype):
+    """Forward (twice: its first call, then its kept launch) and backward against torch, in torch's layout
+    (contiguous), by the turned kernels alone."""
+    monkeypatch.setattr(recipes, "_recipes", {})
+    t = randn(*shape, dtype=dtype)
+    t.view(-1)[::7] = float("-inf")
+    x = make(t)
+    assert columns.takes_turned(dim % x.ndim, x) and not x.is_contiguous()
+    expected = torch.softmax(x, dim)
+    for _ in range(2):
+        torch.testing.assert_close(helpers.softmax_forward(x, dim), expected, equal_nan=True, check_stride=True,
+                                   **TOLERANCE[dtype])
+    y = turned_like(torch.softmax(x.double(), dim).nan_to_num(0.0).to(dtype), x)
+    dy = turned_like(randn(*x.shape, dtype=dtype, scale=1.0), x)
+    assert columns.takes_turned(dim % x.ndim, y, dy)
+    dx = helpers.softmax_backward(y, dy, dim)
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), **BACKWARD_TOLERANCE[dtype])
+    assert dx.is_contiguous()
+    assert launched() == {"softmax_turned_kernel", "softmax_backward_turned_kernel"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_turned_upcast(monkeypatch, dtype):
+    """A 16-bit channels-last x to an fp32 result, cast by the turned kernel as it loads it; dx back in x's dtype."""
+    monkeypatch.setattr(recipes, "_recipes", {})
+    x = randn(4, 21, 6, 5, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    expected = torch.softmax(x, 1, dtype=torch.float32)
+    torch.testing.assert_close(helpers.softmax(x, 1, dtype=torch.float32), expected, check_stride=True,
+                               **TOLERANCE[torch.float32])
+    y, dy = turned_like(expected, x), turned_like(randn(*x.shape, scale=1.0), x)
+    dx = helpers.softmax_backward(y, dy, 1, dtype=dtype)
+    assert dx.dtype == dtype and dx.is_contiguous()
+    torch.testing.assert_close(dx, torch_backward(y, dy, 1).to(dtype), **BACKWARD_TOLERANCE[dtype])
+    assert launched() == {"softmax_turned_kernel", "softmax_backward_turned_kernel"}
+
+
+def test_turned_autograd():
+    """The gradient of a channels-last x through ``softmax``: torch's values and layout."""
+    x = randn(2, 21, 4, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
+    x_torch = x.detach().clone().requires_grad_()
+    weights = torch.linspace(-1, 1, 3, device=x.device)
+    (helpers.softmax(x, 1) * weights).sum().backward()
+    (torch.softmax(x_torch, 1) * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x_torch.grad, **BACKWARD_TOLERANCE[torch.float32])
+    assert x.grad.stride() == x_torch.grad.stride()
+
+
+@pytest.mark.parametrize("make_input, dim", [
+    (lambda: randn(2, columns.TURNED_MAX_HELD + 1, 2, 3).contiguous(memory_format=torch.channels_last), 1),  # long
+    (lambda: randn(2, columns.TURNED_MAX_HELD_FP64 + 1, 3, dtype=torch.float64).transpose(1, 2), 2),
+    (lambda: randn(6, 5, 4).transpose(0, 2), 1),  # no run of either axis: the rows' copies
+    (lambda: randn(5, 7)[:, :4], 1),  # rows whose elements lie next to each other: the rows
+    (lambda: randn(5, 7, 1).transpose(1, 2), 2),  # one inner position: a row
+    (lambda: randn(4, 5, 6, 7).permute(1, 0, 2, 3), 2),  # the dims before dim are not one stride apart
+    (lambda: randn(5, 7), 0),  # contiguous: the column kernels
+])
+def test_other_calls_do_not_turn(make_input, dim):
+    x = make_input()
+    assert not columns.takes_turned(dim, x)
+    torch.testing.assert_close(helpers.softmax_forward(x, dim), torch.softmax(x, dim), check_stride=True,
+                               **TOLERANCE[x.dtype])
+
+
+def test_turned_view():
+    """(outer, inner, R) sizes and strides; dims of 1 anywhere; dims that do not collapse; 32-bit spans."""
+    x = torch.empty(4, 21, 6, 5, device="meta").contiguous(memory_format=torch.channels_last)
+    assert columns.turned_view(x, 1) == (4, 30, 630, 21, 1)
+    assert columns.turned_view(torch.empty(9, 40, device="meta").t(), 1) == (1, 40, 0, 1, 40)
+    assert columns.turned_view(torch.empty(3, 1, 5, 1, 7, device="meta"), 2) == (3, 7, 35, 1, 7)
+    assert columns.turned_view(torch.empty(4, 5, 6, device="meta").permute(1, 0, 2), 2) is None
+    assert columns.turned_view(torch.empty(2**20, 2**11 + 1, device="meta").t(), 1) is None
+    assert columns.turned_view(torch.empty(2**20, 2**11 - 1, device="meta").t(), 1) is not None

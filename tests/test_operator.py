@@ -74,7 +74,7 @@ def test_eager_operators_where_a_traced_plan_would_not_hold(looped):
     assert helpers.plans.plan_for(100, "backward", 4).max_registers is not None
     eager_forward = torch.ops.softmax_course.softmax_eager.default
     eager_backward = torch.ops.softmax_course.softmax_backward_eager.default
-    for x, dim in ((x16, -1), (x32.t(), 0), (x32.t().contiguous(), 0)):  # rows, rows of a view, columns
+    for x, dim in ((x16, -1), (x32.t(), 0), (x32.t().contiguous(), 0)):  # rows, turned tiles, columns
         assert set(torch.library.opcheck(eager_forward, (x, dim, x.dtype)).values()) == {"SUCCESS"}
     y = torch.softmax(x32, -1)
     assert set(torch.library.opcheck(eager_backward, (y, randn(6, 100), -1, y.dtype)).values()) == {"SUCCESS"}

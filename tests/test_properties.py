@@ -54,8 +54,9 @@ def test_backward_matches_torch(case, broadcast_grad):
 
 
 # A GPU subprocess: seeded random calls at sizes where every kernel runs (tiles, splits, two passes, column kernels
-# held and split), in random layouts, dtypes and dims with special values, forward and backward against torch in
-# fp64. Each layout is called twice: its first call, then its kept launch (a split's exchange on the other parity).
+# held and split, turned tiles), in random layouts, dtypes and dims with special values, forward and backward against
+# torch in fp64. Each layout is called twice: its first call, then its kept launch (a split's exchange on the other
+# parity).
 # A few shapes first make sure each kernel family is met; the kernels that ran are asserted at the end.
 # The tolerances are conftest's, but for an fp32 dx of rows up to 2**22 + 3: twice BACKWARD_TOLERANCE's atol.
 RANDOM_CALLS_BACKWARD_TOLERANCE = {**BACKWARD_TOLERANCE, torch.float32: dict(atol=2e-6, rtol=1e-5)}
@@ -72,7 +73,8 @@ random.seed(0)
 torch.manual_seed(0)
 SIZES = [1, 2, 3, 7, 16, 17, 31, 64, 100, 257, 1000, 1023, 1025, 2048, 4097, 5000, 20000, 40000, 65537, 151936]
 SPECIAL = [-math.inf, math.inf, math.nan, 1e4]
-FIRST = [((3, 1000), -1), ((4, 151936), -1), ((2, 2**22 + 3), -1), ((8, 21, 64, 64), 1), ((16384, 4096), 0)]
+FIRST = [((3, 1000), -1, "contiguous"), ((4, 151936), -1, "contiguous"), ((2, 2**22 + 3), -1, "contiguous"),
+         ((8, 21, 64, 64), 1, "contiguous"), ((16384, 4096), 0, "contiguous"), ((8, 21, 64, 64), 1, "channels last")]
 kernels_run = set()
 
 
@@ -95,10 +97,14 @@ def check(shape, dim, dtype, layout, special):
         x = x[..., 1:]
     elif layout == "expanded" and len(shape) >= 2:
         x = x.narrow(0, 0, 1).expand(*x.shape)
+    elif layout == "channels last" and len(shape) == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
     elif layout == "off 16 bytes":
         x = torch.cat([x.reshape(-1)[:1], x.reshape(-1)])[1:].view(x.shape)
     y_finite = torch.softmax(x.double().nan_to_num(0.0, 0.0, 0.0), dim).to(dtype)
     dy = torch.randn(x.shape, dtype=torch.float64, device="cuda").to(dtype)
+    if layout == "channels last" and x.ndim == 4:  # y and dy too, as a channels-last model's autograd may pass them
+        y_finite, dy = (t.contiguous(memory_format=torch.channels_last) for t in (y_finite, dy))
     case = f"{tuple(x.shape)} strides {x.stride()} {dtype} dim {dim}, special {special}"
     for _ in range(2):
         y = helpers.softmax(x, dim)
@@ -112,16 +118,16 @@ def check(shape, dim, dtype, layout, special):
     kernels_run.update(step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps)
 
 
-for shape, dim in FIRST:
+for shape, dim, layout in FIRST:
     for dtype in (torch.float32, torch.bfloat16):
-        check(shape, dim, dtype, "contiguous", [])
+        check(shape, dim, dtype, layout, [])
 for _ in range(150):
     shape, dim = random_case()
     dtype = random.choice([torch.float16, torch.bfloat16, torch.float32, torch.float32, torch.float64])
-    layout = random.choice(["contiguous"] * 4 + ["transposed", "sliced", "expanded", "off 16 bytes"])
+    layout = random.choice(["contiguous"] * 4 + ["transposed", "sliced", "expanded", "off 16 bytes", "channels last"])
     special = random.sample(SPECIAL, 2) if random.random() < 0.3 else []
     check(shape, dim, dtype, layout, special)
-for family in ("tile", "split", "two_pass", "column", "column_split"):
+for family in ("tile", "split", "two_pass", "column", "column_split", "turned"):
     for phase in ("softmax", "softmax_backward"):
         assert f"{phase}_{family}_kernel" in kernels_run, (phase, family, sorted(kernels_run))
 print("ok", len(FIRST) * 2 + 150, "layouts,", sorted(kernels_run), flush=True)
