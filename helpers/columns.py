@@ -326,7 +326,8 @@ def softmax_backward_turned_kernel(dx_ptr, y_ptr, dy_ptr, n_inner, n_reduced, dx
 
 
 def _collapsed(sizes, strides) -> tuple[int, int] | None:
-    """(size, stride) of dims that walk memory as one dim does (dims of size 1 ignored), else None."""
+    """(size, stride) of dims that walk memory as one dim does (dims of size 1 ignored; no dims: (1, 0)), else
+    None."""
     size, stride = 1, 0
     for n, s in reversed(list(zip(sizes, strides, strict=True))):
         if n == 1:
@@ -335,7 +336,7 @@ def _collapsed(sizes, strides) -> tuple[int, int] | None:
             return None
         stride = stride if size > 1 else s
         size *= n
-    return size, stride if size > 1 else 1
+    return size, stride if size > 1 else 0
 
 
 def turned_view(t: torch.Tensor, dim: int) -> tuple[int, int, int, int, int] | None:
@@ -346,7 +347,7 @@ def turned_view(t: torch.Tensor, dim: int) -> tuple[int, int, int, int, int] | N
     after = _collapsed(t.shape[dim + 1:], t.stride()[dim + 1:])
     if before is None or after is None:
         return None
-    (n_outer, outer_stride), (n_inner, inner_stride) = (((1, 0), before) if after[0] == 1 else (before, after))
+    (n_outer, outer_stride), (n_inner, inner_stride) = (after, before) if after[0] == 1 else (before, after)
     reduced_stride = t.stride(dim) if t.shape[dim] > 1 else 1
     if (n_inner - 1) * inner_stride + (t.shape[dim] - 1) * reduced_stride >= 2**31:
         return None
@@ -364,8 +365,8 @@ def takes_turned(dim: int, *tensors: torch.Tensor) -> bool:
     if not 0 <= dim < t.ndim or takes_columns(dim, *tensors):
         return False
     views = [turned_view(u, dim) for u in tensors]
-    if None in views or views[0][1] == 1:
-        return False
+    if None in views or views[0][1] == 1 or views[0][1] * t.shape[dim] > 2**31:
+        return False  # the last: the output's offsets within one outer index would pass 32 bits
     if t.shape[dim] > (TURNED_MAX_HELD_FP64 if torch.float64 in [u.dtype for u in tensors] else TURNED_MAX_HELD):
         return False
     if not all(1 in (view[3], view[4]) for view in views):

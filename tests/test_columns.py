@@ -424,3 +424,7 @@ def test_turned_view():
     assert columns.turned_view(torch.empty(4, 5, 6, device="meta").permute(1, 0, 2), 2) is None
     assert columns.turned_view(torch.empty(2**20, 2**11 + 1, device="meta").t(), 1) is None
     assert columns.turned_view(torch.empty(2**20, 2**11 - 1, device="meta").t(), 1) is not None
+    # an x whose zero strides span little, into an output whose offsets would pass 32 bits
+    assert columns.turned_view(torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**30), 1) == (1, 2**30, 0, 0, 1)
+    assert not columns.takes_turned(1, torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**30))
+    assert columns.takes_turned(1, torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**29))
