@@ -239,7 +239,7 @@ def test_backward_held_where_its_split_does_not_fit(monkeypatch, fits):
     y = helpers.softmax_forward(x, 1)
     dy = randn(*x.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
-                               **BACKWARD_TOLERANCE[torch.float32])
+                               **LONG_BACKWARD_TOLERANCE[torch.float32])  # a sum of 1024: torch's fp32 errs as much
     backward = "softmax_backward_column_split_kernel" if fits else "softmax_backward_column_kernel"
     assert launched() == {"softmax_column_kernel", backward}
 
