@@ -360,15 +360,17 @@ def test_turned_values_and_layout(monkeypatch, make, shape, dim, dtype):
     t.view(-1)[::7] = float("-inf")
     x = make(t)
     assert columns.takes_turned(dim % x.ndim, x) and not x.is_contiguous()
+    long = x.shape[dim] > 1000  # sums of that many: the long dims' tolerance in fp32
     expected = torch.softmax(x, dim)
     for _ in range(2):
         torch.testing.assert_close(helpers.softmax_forward(x, dim), expected, equal_nan=True, check_stride=True,
-                                   **TOLERANCE[dtype])
+                                   **(LONG_TOLERANCE if long else TOLERANCE)[dtype])
     y = turned_like(torch.softmax(x.double(), dim).nan_to_num(0.0).to(dtype), x)
     dy = turned_like(randn(*x.shape, dtype=dtype, scale=1.0), x)
     assert columns.takes_turned(dim % x.ndim, y, dy)
     dx = helpers.softmax_backward(y, dy, dim)
-    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), **BACKWARD_TOLERANCE[dtype])
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim),
+                               **(LONG_BACKWARD_TOLERANCE if long else BACKWARD_TOLERANCE)[dtype])
     assert dx.is_contiguous()
     assert launched() == {"softmax_turned_kernel", "softmax_backward_turned_kernel"}
 
