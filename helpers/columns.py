@@ -265,8 +265,8 @@ def softmax_backward_column_looped_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_in
 # (``turned_view``), and a program holds BLOCK_C inner positions of one outer index, each whole along R: the compiler
 # lays each load and store out along whichever of the two its tensor holds next to each other, so both are whole
 # runs, and the block changes layout on chip in between. No transposing copy, before or after. A block is
-# TURNED_COLUMNS inner positions (runs of 32 bytes and more of a 16-bit tensor), TURNED_LONG_COLUMNS from TURNED_LONG
-# elements of R on, with a forward warp per TURNED_FORWARD_ROWS of R's padded length (four times as many rows in long
+# TURNED_COLUMNS inner positions (runs of 32 bytes and more of a 16-bit tensor), TURNED_LONG_COLUMNS where R pads to
+# TURNED_LONG or more, with a forward warp per TURNED_FORWARD_ROWS of R's padded length (four times as many rows in long
 # blocks; fp64 a quarter as many) and a backward warp per TURNED_BACKWARD_ROWS, 2 to 8. A dim up to TURNED_MAX_HELD
 # elements is held (TURNED_MAX_HELD_FP64 of fp64). Measured: results/README.md, "Turned tiles".
 TURNED_COLUMNS = 16
