@@ -1,6 +1,6 @@
 """compute-sanitizer's memcheck over the fused kernels (GPU only): every kernel shape of the benchmark grid, forward and
-backward, 16- and 32-bit, contiguous and transposed rows, and the column kernels' held and split blocks, must access
-only memory it owns.
+backward, 16- and 32-bit, contiguous and transposed rows, the column kernels' held and split blocks, and the turned
+tiles (fp64 too), must access only memory it owns.
 
 A few rows per shape keep the run short; the shapes, not the row counts, decide which code runs."""
 
@@ -41,6 +41,24 @@ for shape in ((3, 700, 45), (2, 3001, 2047)):
         torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).float(),
                                    reference.softmax_backward(y.float(), dy.float(), 1), atol=1e-2, rtol=2e-2)
 print("other dims checked:", 4)
+# turned tiles: channels-last classes (short, and past TURNED_LONG: not fp64's), a transposed x over its last dim
+from helpers import columns
+turned = 0
+every_dtype, no_fp64 = (torch.float32, torch.bfloat16, torch.float64), (torch.float32, torch.bfloat16)
+for shape, dim, layout, dtypes in (((2, 21, 9, 7), 1, "channels_last", every_dtype),
+                                   ((1, 2051, 3, 5), 1, "channels_last", no_fp64),
+                                   ((301, 37), 1, "transposed", every_dtype)):
+    for dtype in dtypes:
+        x = torch.randn(shape, device="cuda").to(dtype) * 4
+        x = x.to(memory_format=torch.channels_last) if layout == "channels_last" else x.t().contiguous().t()
+        y = helpers.softmax_forward(x, dim)
+        torch.testing.assert_close(y.float(), torch.softmax(x.float(), dim), atol=1e-2, rtol=2e-2)
+        y, dy = torch.empty_like(x).copy_(y), torch.randn_like(x)  # y and dy laid out as x, as autograd hands them
+        assert columns.takes_turned(dim, x) and columns.takes_turned(dim, y, dy), (shape, layout)
+        torch.testing.assert_close(helpers.softmax_backward(y, dy, dim).float(),
+                                   reference.softmax_backward(y.float(), dy.float(), dim), atol=1e-2, rtol=2e-2)
+        turned += 1
+print("turned checked:", turned)
 """
 
 
@@ -50,4 +68,4 @@ def test_fused_kernels_memcheck_clean():
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "ERROR SUMMARY: 0 errors" in out.stdout + out.stderr and "shapes checked: 60" in out.stdout, out.stdout
-    assert "other dims checked: 4" in out.stdout, out.stdout
+    assert "other dims checked: 4" in out.stdout and "turned checked: 8" in out.stdout, out.stdout
