@@ -20,14 +20,22 @@ ROW_BLOCK_LIMIT = 8192
 LOOP_BLOCK_SIZE = 2048
 
 
+def has_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds data to launch on: a torch.Tensor, or a subclass that dispatches as one (nn.Parameter),
+    not a traced tensor (a FakeTensor carries only shapes; a FunctionalTensor wraps another)."""
+    return type(t) is torch.Tensor or (isinstance(t, torch.Tensor)
+                                       and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``, in a form that torch.compile and torch.library can trace (notebook 08).
 
-    Real tensors launch directly. Traced tensors (FakeTensors that carry only shapes, FunctionalTensors) launch through
-    ``torch.library.wrap_triton``, which records the kernel call in the graph. Triton's interpreter cannot be traced: a
-    traced tensor there has no data to run on, so nothing is launched (helpers.ops makes the op opaque on CPU).
+    Tensors with data launch directly. Traced tensors (FakeTensors that carry only shapes, FunctionalTensors) launch
+    through ``torch.library.wrap_triton``, which records the kernel call in the graph. Triton's interpreter cannot be
+    traced: a traced tensor there has no data to run on, so nothing is launched (helpers.ops makes the op opaque on
+    CPU).
     """
-    if all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor)):
+    if all(has_data(a) for a in args if isinstance(a, torch.Tensor)):
         kernel[grid](*args, **options)
     elif not INTERPRET:
         wrap_triton(kernel)[grid](*args, **options)

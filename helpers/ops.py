@@ -157,12 +157,11 @@ _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 #   be lost").
 # The choice is made in the operators' bodies, where a traced size is a number or visibly a symbol: to Dynamo, which
 # runs ``softmax`` itself, every SymInt is an int.
-def _output_like(t: torch.Tensor, dim: int, dtype: torch.dtype, *others: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor of ``dtype`` laid out as ``_forward`` or ``_backward`` lays out its result: the fake
-    implementation of the opaque operators."""
-    if t.numel() == 0 or columns.takes_columns(dim, t, *others):
-        return t.new_empty(t.shape, dtype=dtype)
-    return _unrows(_new_rows(*_rows(t, dim).shape, like=t, dtype=dtype), t, dim)
+def _output_like(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor of ``dtype`` laid out as ``_forward`` or ``_backward`` lays out its result, torch's
+    contiguous layout on every path: the fake implementation of the opaque operators. It asks no plan, which a
+    symbolic size would have to be made concrete for."""
+    return t.new_empty(t.shape, dtype=dtype)
 
 
 def _symbolic(*tensors: torch.Tensor) -> bool:
@@ -176,7 +175,8 @@ def _runs_eager(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) ->
         return True
     if t.numel() == 0 or columns.takes_columns(dim, t, *others) or columns.takes_turned(dim, t, *others):
         return False
-    return plans.plan_for(t.shape[dim], phase, t.element_size()).max_registers is not None
+    n_cols = t.shape[dim] if t.ndim else 1  # a 0-d tensor is one row of one element
+    return plans.plan_for(n_cols, phase, t.element_size()).max_registers is not None
 
 
 def _eager_forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -202,19 +202,20 @@ _library.impl("softmax_eager", _eager_forward, "CompositeExplicitAutograd")
 _library.impl("softmax_backward_eager", _eager_backward, "CompositeExplicitAutograd")
 torch.library.register_fake("softmax_course::softmax_eager", _output_like, lib=_library)
 torch.library.register_fake("softmax_course::softmax_backward_eager",
-                            lambda y, dy, dim, dtype: _output_like(y, dim, dtype, dy),
+                            lambda y, dy, dim, dtype: _output_like(y, dim, dtype),
                             lib=_library)
 _eager_softmax_op = torch.ops.softmax_course.softmax_eager.default
 _eager_softmax_backward_op = torch.ops.softmax_course.softmax_backward_eager.default
 
 
 def _traced(*tensors: torch.Tensor) -> bool:
-    """Whether torch.compile is tracing the call, or a tensor is a subclass (FakeTensors, ...): then the operator
-    runs, for the tracer to see. Plain calls skip its dispatcher, which adds Python time to every call."""
+    """Whether torch.compile is tracing the call, or a tensor is traced (FakeTensors, ...): then the operator runs,
+    for the tracer to see. Plain calls skip its dispatcher, which adds Python time to every call."""
     return torch.compiler.is_compiling() or not recipes.plain(tensors)
 
 
-# Plain calls (torch.Tensors, outside autograd and torch.compile) of a layout seen before go straight to its launch.
+# Plain calls (tensors with data, nn.Parameters too, outside autograd and torch.compile) of a layout seen before go
+# straight to its launch.
 # The first call of a layout (shapes, strides, dtypes, device, dim, 16-byte starts, the dtype asked for) is checked and
 # planned into its launch, which it leaves here under that key and then runs: a call of the same key passes the same
 # checks and plans the same. A forward's key has 7 entries and a backward's 11, so they never meet.
@@ -304,7 +305,7 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     the saved output, into ``x``'s dtype.
     """
     key = None
-    if not torch.compiler.is_compiling() and type(x) is torch.Tensor:
+    if not torch.compiler.is_compiling() and (type(x) is torch.Tensor or kernels.has_data(x)):
         x_ptr = x.data_ptr()
         key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0, dtype)
         call = _plain_calls.get(key)
@@ -336,7 +337,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     by the fused Triton backward kernels (notebook 06); ``torch.ops.softmax_course.softmax_backward``. It is computed
     in fp32 (fp64 if ``y`` or ``dy`` is) and stored in ``dtype``, the forward input's, by default ``y``'s."""
     key = None
-    if not torch.compiler.is_compiling() and type(y) is torch.Tensor and type(dy) is torch.Tensor:
+    if not torch.compiler.is_compiling() and (type(y) is torch.Tensor or kernels.has_data(y)) and (
+            type(dy) is torch.Tensor or kernels.has_data(dy)):
         y_ptr, dy_ptr = y.data_ptr(), dy.data_ptr()
         key = (y.shape, dy.shape, y.stride(), dy.stride(), y.dtype, dy.dtype, y.get_device(), dim, y_ptr % 16 == 0,
                dy_ptr % 16 == 0, dtype)

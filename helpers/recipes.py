@@ -12,7 +12,7 @@ import torch
 import triton
 
 from .device import DEVICE, INTERPRET
-from .kernels import launch
+from .kernels import has_data, launch
 from .plans import Plan
 from .residency import compile_options
 
@@ -191,9 +191,9 @@ def recipe_for(build, operands: tuple[torch.Tensor, ...], plan: Plan | int | Non
 
 
 def plain(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether every tensor is a torch.Tensor, not a subclass (a traced FakeTensor, ...)."""
+    """Whether every tensor holds data to launch on (``kernels.has_data``), none traced (a FakeTensor, ...)."""
     for t in tensors:  # a loop: cheaper than all() over a generator
-        if type(t) is not torch.Tensor:
+        if type(t) is not torch.Tensor and not has_data(t):
             return False
     return True
 

@@ -179,3 +179,29 @@ def test_growing_lengths_share_builds(dtype):
         check_forward(x[:, 5:5 + n_cols])  # a start off 16 bytes
         check_forward(randn(3, n_cols, dtype=dtype))
     assert len(helpers.recipes._builds) - builds_before < 3 * len(lengths)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass that dispatches as a torch.Tensor, as nn.Parameter does."""
+
+
+@pytest.mark.parametrize("make", [torch.nn.Parameter, lambda t: torch.nn.Parameter(t, requires_grad=False),
+                                  lambda t: t.as_subclass(Tagged)], ids=["parameter", "frozen", "subclass"])
+@pytest.mark.parametrize("shape, dim, channels_last", [((8, 16), -1, False), ((3, 4, 37), 1, False),
+                                                       ((2, 8, 3, 3), 1, True), ((4, 1500, 17), 1, False)],
+                         ids=["rows", "held-columns", "turned", "split-columns"])
+def test_tensor_subclasses(make, shape, dim, channels_last):
+    """Softmax of a weight (a model's mixing logits): the kernels run on a Parameter's own data, forward, backward
+    through autograd, and ``softmax_backward`` of subclasses."""
+    data = randn(*shape)
+    data = data.to(memory_format=torch.channels_last) if channels_last else data
+    x = make(data)
+    y = helpers.softmax(x, dim)
+    torch.testing.assert_close(y, torch.softmax(data, dim), **TOLERANCE[torch.float32])
+    dy = randn(*shape)
+    if x.requires_grad:
+        (dx,) = torch.autograd.grad(y, x, dy)
+        torch.testing.assert_close(dx, torch_backward(torch.softmax(data, dim), dy, dim).float(), atol=1e-6, rtol=1e-4)
+    y_sub = make(torch.softmax(data, dim).contiguous()).detach() if x.requires_grad else make(torch.softmax(data, dim))
+    torch.testing.assert_close(helpers.softmax_backward(y_sub, make(dy).detach(), dim),
+                               torch_backward(torch.softmax(data, dim), dy, dim).float(), atol=1e-6, rtol=1e-4)
