@@ -185,23 +185,29 @@ class Tagged(torch.Tensor):
     """A tensor subclass that dispatches as a torch.Tensor, as nn.Parameter does."""
 
 
-@pytest.mark.parametrize("make", [torch.nn.Parameter, lambda t: torch.nn.Parameter(t, requires_grad=False),
-                                  lambda t: t.as_subclass(Tagged)], ids=["parameter", "frozen", "subclass"])
+SUBCLASSES = {"parameter": lambda t, grad: torch.nn.Parameter(t, requires_grad=grad),
+              "subclass": lambda t, grad: t.as_subclass(Tagged).requires_grad_(grad)}
+
+
+@pytest.mark.parametrize("kind", SUBCLASSES)
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["trained", "frozen"])
 @pytest.mark.parametrize("shape, dim, channels_last", [((8, 16), -1, False), ((3, 4, 37), 1, False),
                                                        ((2, 8, 3, 3), 1, True), ((4, 1500, 17), 1, False)],
                          ids=["rows", "held-columns", "turned", "split-columns"])
-def test_tensor_subclasses(make, shape, dim, channels_last):
+def test_tensor_subclasses(kind, requires_grad, shape, dim, channels_last):
     """Softmax of a weight (a model's mixing logits): the kernels run on a Parameter's own data, forward, backward
     through autograd, and ``softmax_backward`` of subclasses."""
+    make = SUBCLASSES[kind]
     data = randn(*shape)
     data = data.to(memory_format=torch.channels_last) if channels_last else data
-    x = make(data)
+    x = make(data, requires_grad)
     y = helpers.softmax(x, dim)
-    torch.testing.assert_close(y, torch.softmax(data, dim), **TOLERANCE[torch.float32])
+    expected_y = torch.softmax(data, dim)
+    torch.testing.assert_close(y, expected_y, **TOLERANCE[torch.float32])
     dy = randn(*shape)
-    if x.requires_grad:
+    expected_dx = torch_backward(expected_y, dy, dim).float()
+    if requires_grad:
         (dx,) = torch.autograd.grad(y, x, dy)
-        torch.testing.assert_close(dx, torch_backward(torch.softmax(data, dim), dy, dim).float(), atol=1e-6, rtol=1e-4)
-    y_sub = make(torch.softmax(data, dim).contiguous()).detach() if x.requires_grad else make(torch.softmax(data, dim))
-    torch.testing.assert_close(helpers.softmax_backward(y_sub, make(dy).detach(), dim),
-                               torch_backward(torch.softmax(data, dim), dy, dim).float(), atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(dx, expected_dx, atol=1e-6, rtol=1e-4)
+    dx = helpers.softmax_backward(make(expected_y, False), make(dy, False), dim)
+    torch.testing.assert_close(dx, expected_dx, atol=1e-6, rtol=1e-4)
