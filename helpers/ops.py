@@ -11,6 +11,8 @@ shape, contiguous as torch's (a copy where the dim was not last). Inputs are nev
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
@@ -33,6 +35,13 @@ def _check_tensor(name: str, t: object) -> None:
     if not _on_kernel_device(t):
         expected = "cpu" if INTERPRET else DEVICE.type
         raise ValueError(f"{name} is on {t.device}, but the kernels run on {expected}: move it with .to({expected!r})")
+
+
+def _int_dim(dim: object) -> int:
+    """torch's rule for a dim's type: an int, or an integer that converts exactly (numpy's), but not a bool."""
+    if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
+        raise TypeError(f"dim must be an int, not {type(dim).__name__}")
+    return operator.index(dim)
 
 
 def _dim_index(dim: int, ndim: int) -> int:
@@ -286,9 +295,11 @@ def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dty
 
 
 def _result_dtype(dtype: object, default: torch.dtype) -> torch.dtype:
-    """A result's dtype: ``dtype``, or ``default`` where it is None."""
+    """A result's dtype: ``dtype``, or ``default`` where it is None; Python's ``float`` is float64, as in torch."""
     if dtype is None:
         return default
+    if dtype is float:
+        return torch.float64
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be a floating-point torch.dtype (float16, bfloat16, float32 or float64), "
                         f"got {dtype}")
@@ -304,6 +315,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     for) in the kernels as they load it, any other cast by ``x.to(dtype)``. Its backward is ``softmax_backward`` of
     the saved output, into ``x``'s dtype.
     """
+    if type(dim) is not int:
+        return softmax(x, _int_dim(dim), dtype)  # one type for the layout's key: 1.0 == True == 1
     key = None
     if not torch.compiler.is_compiling() and (type(x) is torch.Tensor or kernels.has_data(x)):
         x_ptr = x.data_ptr()
@@ -336,6 +349,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``,
     by the fused Triton backward kernels (notebook 06); ``torch.ops.softmax_course.softmax_backward``. It is computed
     in fp32 (fp64 if ``y`` or ``dy`` is) and stored in ``dtype``, the forward input's, by default ``y``'s."""
+    if type(dim) is not int:
+        return softmax_backward(y, dy, _int_dim(dim), dtype)
     key = None
     if not torch.compiler.is_compiling() and (type(y) is torch.Tensor or kernels.has_data(y)) and (
             type(dy) is torch.Tensor or kernels.has_data(dy)):
@@ -371,7 +386,6 @@ class Softmax(torch.autograd.Function):
         ctx.dim, ctx.x_dtype = inputs[1], inputs[0].dtype
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (y,) = ctx.saved_tensors
         return softmax_backward(y, dy, ctx.dim, ctx.x_dtype), None, None
@@ -379,6 +393,32 @@ class Softmax(torch.autograd.Function):
 
 # The operator's autograd is this Function's: the same context and backward, registered once (notebook 08).
 torch.library.register_autograd("softmax_course::softmax", Softmax.backward, setup_context=Softmax.setup_context)
+
+
+def _save_backward_inputs(ctx, inputs: tuple[torch.Tensor, torch.Tensor, int, torch.dtype], output: torch.Tensor):
+    y, dy, ctx.dim, _ = inputs
+    ctx.save_for_backward(y, dy)
+
+
+def _backward_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    """The gradients of ``dx = y * (dy - <y, dy>)`` for an incoming ``g``, which make the backward differentiable
+    (a gradient penalty, a Hessian-vector product; notebook 04). ``dx`` is linear in ``dy``, so the gradient for
+    ``dy`` is the same backward of ``g``: ``y * (g - <y, g>)``. The gradient for ``y`` is
+    ``g * (dy - <y, dy>) - dy * <g, y>``, in PyTorch at fp32 (fp64 if any input is)."""
+    y, dy = ctx.saved_tensors
+    grad_y = grad_dy = None
+    if ctx.needs_input_grad[1]:
+        grad_dy = softmax_backward(y, g, ctx.dim, dy.dtype)
+    if ctx.needs_input_grad[0]:
+        wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype, g.dtype) else torch.float32
+        y_w, dy_w, g_w = y.to(wide), dy.to(wide), g.to(wide)
+        grad_y = (g_w * (dy_w - (y_w * dy_w).sum(ctx.dim, keepdim=True))
+                  - dy_w * (g_w * y_w).sum(ctx.dim, keepdim=True)).to(y.dtype)
+    return grad_y, grad_dy, None, None
+
+
+torch.library.register_autograd("softmax_course::softmax_backward", _backward_backward,
+                                setup_context=_save_backward_inputs)
 
 
 class GraphSoftmax(torch.autograd.Function):
@@ -391,8 +431,9 @@ class GraphSoftmax(torch.autograd.Function):
         return softmax_forward(x, dim)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if torch.is_grad_enabled():  # create_graph=True: differentiating dx would need the graph kernel's own backward
+            raise RuntimeError("graph_softmax's backward is not differentiable: use helpers.softmax, whose is")
         (x,) = ctx.saved_tensors
         if x.numel() == 0:
             return torch.zeros_like(x), None
@@ -405,4 +446,4 @@ class GraphSoftmax(torch.autograd.Function):
 def graph_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax whose backward walks the computational graph (notebook 03); ``softmax`` is the one to use."""
     _check_tensor("x", x)
-    return GraphSoftmax.apply(x, _dim_index(dim, x.ndim))
+    return GraphSoftmax.apply(x, _dim_index(_int_dim(dim), x.ndim))

@@ -136,7 +136,66 @@ def test_graph_backward_with_ties_and_gradcheck():
     assert torch.autograd.gradcheck(helpers.graph_softmax, (x,))
 
 
+def test_graph_backward_refuses_a_second_order():
+    """A gradient of its gradient would need the graph kernel's own backward: an error, not a gradient short of a
+    part."""
+    x = randn(3, 11, dtype=torch.float64, scale=1.0).requires_grad_()
+    with pytest.raises(RuntimeError, match="graph_softmax's backward is not differentiable"):
+        torch.autograd.grad(helpers.graph_softmax(x)[:, 0].sum(), x, create_graph=True)
+
+
 def test_graph_backward_refuses_long_rows(looped):
     x = randn(2, 40).requires_grad_()
     with pytest.raises(ValueError, match="whole row in one block"):
         helpers.graph_softmax(x).sum().backward()
+
+
+def gradient_penalty_grads(softmax, x, w, dim):
+    """The gradients for ``x`` and ``w`` of a penalty on the gradient of ``<softmax(x), w>``: the first backward is
+    differentiated again (``create_graph``)."""
+    (grad_x,) = torch.autograd.grad((softmax(x, dim) * w).sum(), x, create_graph=True)
+    return torch.autograd.grad(grad_x.pow(2).sum(), (x, w))
+
+
+@pytest.mark.parametrize("shape, dim, channels_last", [((8, 16), -1, False), ((3, 4, 37), 1, False),
+                                                       ((2, 8, 3, 3), 1, True), ((4, 1500, 17), 1, False),
+                                                       ((), 0, False)],
+                         ids=["rows", "held-columns", "turned", "split-columns", "0-d"])
+@pytest.mark.parametrize("softmax", AUTOGRAD_SOFTMAXES)
+def test_double_backward_matches_torch(softmax, shape, dim, channels_last):
+    """A gradient penalty through every path. Differentiating the backward again needs the gradient through the
+    saved output y too, not only through dy (which ``once_differentiable`` looked at: it lost the part through y)."""
+    x = randn(*shape, dtype=torch.float64, scale=1.0)
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    w = randn(*shape, dtype=torch.float64, scale=1.0)
+    ours, theirs = ([t.clone().requires_grad_() for t in (x, w)] for _ in range(2))
+    expected = gradient_penalty_grads(torch.softmax, *theirs, dim)
+    for got, want in zip(gradient_penalty_grads(softmax, *ours, dim), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9 * want.abs().max().item())  # to the scale of each
+
+
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.float32)], ids=["bf16", "bf16-to-fp32", "fp32"])
+def test_double_backward_in_lower_precision(dtype, out_dtype):
+    """In the input's dtype, and for a 16-bit input asked for an fp32 output (the backward's y fp32, dy and dx bf16)."""
+    x, w = randn(6, 33, dtype=dtype, scale=1.0), randn(6, 33, dtype=out_dtype, scale=1.0)
+    ours, theirs = ([t.clone().requires_grad_() for t in (x, w)] for _ in range(2))
+    got = gradient_penalty_grads(lambda t, dim: helpers.softmax(t, dim, out_dtype), *ours, -1)
+    want = gradient_penalty_grads(lambda t, dim: torch.softmax(t, dim, dtype=out_dtype), *theirs, -1)
+    for g, e in zip(got, want, strict=True):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g, e, **BACKWARD_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("softmax", AUTOGRAD_SOFTMAXES)
+@pytest.mark.parametrize("shape, dim", [((4, 9), -1), ((4, 9), 0), ((2, 5, 3), 1)])
+def test_gradgradcheck(softmax, shape, dim):
+    x = randn(*shape, dtype=torch.float64, scale=1.0).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t: softmax(t, dim), (x,))
+
+
+def test_backward_is_differentiable():
+    """``softmax_backward`` itself, in both its inputs, to the third order."""
+    y = torch.softmax(randn(3, 7, dtype=torch.float64, scale=1.0), -1).requires_grad_()
+    dy = randn(3, 7, dtype=torch.float64, scale=1.0).requires_grad_()
+    assert torch.autograd.gradgradcheck(helpers.softmax_backward, (y, dy))

@@ -146,3 +146,13 @@ def test_dtype_must_be_a_float_dtype(dtype):
     for call in (lambda: helpers.softmax(x, -1, dtype), lambda: helpers.softmax_backward(x, x, -1, dtype)):
         with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
             call()
+
+
+def test_python_float_is_float64():
+    """torch reads ``dtype=float`` as float64, as it does a tensor's ``.to(float)``."""
+    x = randn(3, 4)
+    for _ in range(2):  # the first call of the layout, then its kept launch
+        y = helpers.softmax(x, -1, float)
+        assert y.dtype == torch.float64
+        torch.testing.assert_close(y, torch.softmax(x, -1, dtype=float))
+        assert helpers.softmax_backward(y, y, -1, float).dtype == torch.float64

@@ -1,5 +1,6 @@
 """What the ops refuse, and that they say why."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import randn
@@ -40,3 +41,22 @@ def test_dim_out_of_range(shape, dim):
 def test_shape_mismatch():
     with pytest.raises(ValueError, match=r"same shape, got \(3, 4\) and \(4, 3\)"):
         helpers.softmax_backward(randn(3, 4), randn(4, 3))
+
+
+@pytest.mark.parametrize("dim", [1.0, True, None, "1"], ids=["float", "bool", "None", "str"])
+def test_dim_must_be_an_int(dim):
+    """torch refuses a dim that is not an int, even one equal to an int's value, which a layout called before with
+    that int must not take for it."""
+    x = randn(3, 4)
+    helpers.softmax(x, 1), helpers.softmax_backward(x, x, 1)
+    for call in (lambda: helpers.softmax(x, dim), lambda: helpers.softmax_backward(x, x, dim),
+                 lambda: helpers.graph_softmax(x, dim)):
+        with pytest.raises(TypeError, match=f"dim must be an int, not {type(dim).__name__}"):
+            call()
+    with pytest.raises(TypeError):
+        torch.softmax(x, dim)
+
+
+def test_numpy_integer_dim():
+    x = randn(3, 4)
+    torch.testing.assert_close(helpers.softmax(x, np.int64(0)), torch.softmax(x, np.int64(0)))
