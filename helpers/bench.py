@@ -292,6 +292,19 @@ def load_results(path: Path | None = None) -> list[Result]:
     return read_rows(path or recorded(results_path), Result)
 
 
+def claimed(results: list[Result]) -> list[Result]:
+    """The sweep a notebook's text quotes and its checks assert: ``results`` where they are the reference GPU's (timed
+    on it, or its record read on CPU), else the reference GPU's recorded sweep. Another GPU reaches other fractions
+    of its copy limit (an H200's faster memory, a T4 without bf16 in hardware), so its own timings are plotted and
+    the text's claims are checked where they were made."""
+    if all(r.gpu == REFERENCE_GPU for r in results):
+        return results
+    path = results_path(REFERENCE_GPU)
+    print(f"Timed above on {results[0].gpu}. The text's numbers, and the checks below, are the {REFERENCE_GPU}'s "
+          f"recorded sweep ({RESULTS_DIR.name}/{path.name}).")
+    return load_results(path)
+
+
 def recorded(path_for: Callable[[str], Path], fallback: str = REFERENCE_GPU) -> Path:
     """This GPU's recorded file when there is one, else the ``fallback`` GPU's (by default the reference GPU)."""
     own = path_for(gpu_name()) if not INTERPRET and DEVICE.type == "cuda" else None

@@ -1,6 +1,7 @@
 """The recorded GPU results the notebooks plot on CPU, the figures drawn from them, and the tuning's candidates."""
 
 import csv
+import dataclasses
 
 import matplotlib
 import pytest
@@ -69,6 +70,16 @@ def test_recorded_other_dims_cover_their_shapes():
 
 def test_results_path_names_the_gpu():
     assert bench.results_path("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.csv"
+
+
+def test_claims_are_checked_on_the_reference_gpus_sweep(capsys):
+    """A notebook's checks read the reference GPU's numbers: its own timings as they are, another GPU's replaced by
+    the reference record, with a line that says so."""
+    record = bench.load_results(bench.results_path(bench.REFERENCE_GPU))
+    assert bench.claimed(record) is record and not capsys.readouterr().out
+    elsewhere = [dataclasses.replace(r, gpu="NVIDIA H200", gbps=r.gbps / 2) for r in record[:3]]
+    assert bench.claimed(elsewhere) == record
+    assert "Timed above on NVIDIA H200" in capsys.readouterr().out
 
 
 def test_recorded_tuning_is_this_gpus_or_the_tuned_gpus():
