@@ -170,12 +170,14 @@ def test_double_backward_matches_torch(softmax, path):
     gradient through the saved output y too, not only through dy (which ``once_differentiable`` looked at: it lost
     the part through y)."""
     shape, dim, channels_last = DOUBLE_BACKWARD_PATHS[path]
-    x = randn(*shape, dtype=torch.float32, scale=1.0)
-    x = x.to(memory_format=torch.channels_last) if channels_last else x
-    w = randn(*shape, dtype=torch.float32, scale=1.0)
-    takes = (helpers.columns.takes_columns(dim, x), helpers.columns.takes_turned(dim, x))
-    assert takes == {"held-columns": (True, False), "split-columns": (True, False), "turned": (False, True)}.get(
-        path, (False, False))
+    x, w = (randn(*shape, dtype=torch.float32, scale=1.0) for _ in range(2))
+    x, w = (t.to(memory_format=torch.channels_last) if channels_last else t for t in (x, w))
+    path_taken = {"held-columns": (True, False), "split-columns": (True, False), "turned": (False, True)}.get(
+        path, (False, False))  # (takes_columns, takes_turned), forward and both backwards (of dy = w, then of g)
+    y = helpers.softmax(x, dim)
+    for tensors in ((x,), (y, w)):
+        takes = (helpers.columns.takes_columns(dim, *tensors), helpers.columns.takes_turned(dim, *tensors))
+        assert takes == path_taken
     assert (x.ndim > 0 and x.shape[dim] > helpers.columns.MAX_HELD) == (path == "split-columns")
     ours = [t.clone().requires_grad_() for t in (x, w)]
     theirs = [t.double().requires_grad_() for t in (x, w)]
@@ -187,7 +189,9 @@ def test_double_backward_matches_torch(softmax, path):
 @pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                (torch.float32, torch.float32)], ids=["bf16", "bf16-to-fp32", "fp32"])
 def test_double_backward_in_lower_precision(dtype, out_dtype):
-    """In the input's dtype, and for a 16-bit input asked for an fp32 output (the backward's y fp32, dy and dx bf16)."""
+    """The second-order gradients' dtypes, in the input's dtype and for a 16-bit input asked for an fp32 output (the
+    backward's y fp32, dy and dx bf16), and their values to 16-bit rounding. That rounding would hide a wrong term:
+    the formula is checked in fp32 and fp64 above."""
     x, w = randn(6, 33, dtype=dtype, scale=1.0), randn(6, 33, dtype=out_dtype, scale=1.0)
     ours, theirs = ([t.clone().requires_grad_() for t in (x, w)] for _ in range(2))
     got = gradient_penalty_grads(lambda t, dim: helpers.softmax(t, dim, out_dtype), *ours, -1)

@@ -155,4 +155,4 @@ def test_python_float_is_float64():
         y = helpers.softmax(x, -1, float)
         assert y.dtype == torch.float64
         torch.testing.assert_close(y, torch.softmax(x, -1, dtype=float))
-        assert helpers.softmax_backward(y, y, -1, float).dtype == torch.float64
+        assert helpers.softmax_backward(y.float(), y.float(), -1, float).dtype == torch.float64

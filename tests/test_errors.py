@@ -59,4 +59,7 @@ def test_dim_must_be_an_int(dim):
 
 def test_numpy_integer_dim():
     x = randn(3, 4)
-    torch.testing.assert_close(helpers.softmax(x, np.int64(0)), torch.softmax(x, np.int64(0)))
+    y = torch.softmax(x, 0)
+    torch.testing.assert_close(helpers.softmax(x, np.int64(0)), y)
+    torch.testing.assert_close(helpers.softmax_backward(y, x, np.int64(0)), helpers.softmax_backward(y, x, 0))
+    torch.testing.assert_close(helpers.graph_softmax(x, np.int64(0)), y)
