@@ -7,7 +7,8 @@ Public API:
     DEVICE, INTERPRET        where kernels run (a torch.device) and whether that is Triton's CPU interpreter
     sized(gpu, cpu), ODD_SHAPE   sizes for this device: real on a GPU, small under the interpreter
     softmax(x, dim=-1, dtype=None)  autograd-aware softmax (Triton forward, Jacobian-free Triton backward), registered
-                             as the operator torch.ops.softmax_course.softmax (notebook 08); dtype as torch.softmax's
+                             as the operator torch.ops.softmax_course.softmax (notebook 08); dtype as torch.softmax's;
+                             second order, forward mode and torch.func's transforms (notebook 04)
     softmax_forward(x, dim, dtype)  y = softmax(x, dim, dtype)
     softmax_backward(y, dy, dim, dtype)  dx (in dtype, by default y's) from the forward output y and the gradient dy
     graph_softmax(x, dim)    notebook 03's softmax, whose backward recomputes the forward and walks its graph

@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.autograd import forward_ad
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from . import columns, fused, kernels, plans, recipes
@@ -35,6 +36,15 @@ def _check_tensor(name: str, t: object) -> None:
     if not _on_kernel_device(t):
         expected = "cpu" if INTERPRET else DEVICE.type
         raise ValueError(f"{name} is on {t.device}, but the kernels run on {expected}: move it with .to({expected!r})")
+    if t.layout != torch.strided or t.is_nested:
+        raise NotImplementedError(f"{name} is a {'nested' if t.is_nested else t.layout} tensor; the kernels take "
+                                  f"dense (strided) tensors")
+
+
+def _wrapped_by_torch_func(*tensors: torch.Tensor) -> bool:
+    """Whether a tensor is a torch.func wrapper (grad, vmap, jvp, ...): it holds no data, and the autograd.Functions'
+    transform rules (``Softmax``) unwrap it for the kernels."""
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def _int_dim(dim: object) -> int:
@@ -313,25 +323,31 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64. ``dtype``, as
     torch's, is the output's, to which ``x`` is cast first: a 16-bit ``x`` to fp32 (the upcast attention code asks
     for) in the kernels as they load it, any other cast by ``x.to(dtype)``. Its backward is ``softmax_backward`` of
-    the saved output, into ``x``'s dtype.
+    the saved output, into ``x``'s dtype. The backward is differentiable again, and forward mode (a tangent's
+    ``J @ x_t``) and torch.func's transforms (grad, vmap, jacrev, jacfwd, hessian, ...) run on the same kernels.
     """
     if type(dim) is not int:
         return softmax(x, _int_dim(dim), dtype)  # one type for the layout's key: 1.0 == True == 1
-    key = None
+    key = x_ptr = None
     if not torch.compiler.is_compiling() and (type(x) is torch.Tensor or kernels.has_data(x)):
-        x_ptr = x.data_ptr()
-        key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0, dtype)
-        call = _plain_calls.get(key)
-        if call is not None and not (x.requires_grad and torch.is_grad_enabled()):
-            return call(x, x_ptr)
+        try:
+            x_ptr = x.data_ptr()
+            key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0, dtype)
+        except RuntimeError:  # no data (a torch.func wrapper, a legacy vmap's batch) or no strides (a nested tensor)
+            x_ptr = None
+        else:
+            call = _plain_calls.get(key)
+            if call is not None and not (x.requires_grad and torch.is_grad_enabled()) and (
+                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):
+                return call(x, x_ptr)
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     y_dtype = _result_dtype(dtype, x.dtype)
     if y_dtype != x.dtype and not (y_dtype == torch.float32 and x.element_size() == 2):
         return softmax(x.to(y_dtype), dim)  # a cast the kernels do not make as they load: torch's order
-    if _traced(x):
-        return _softmax_op(x, dim, y_dtype)
-    if x.requires_grad and torch.is_grad_enabled():
+    if _traced(x) or (x_ptr is None and not _wrapped_by_torch_func(x)):
+        return _softmax_op(x, dim, y_dtype)  # traced, or no data: a legacy vmap's batch, which runs sample by sample
+    if x_ptr is None or (x.requires_grad and torch.is_grad_enabled()) or _forward_mode_on():
         return Softmax.apply(x, dim, y_dtype)  # the operator's autograd, without its dispatcher; back here to run
     call, y = _forward_call(x, dim, y_dtype)
     _remember(key, call)
@@ -351,30 +367,62 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     in fp32 (fp64 if ``y`` or ``dy`` is) and stored in ``dtype``, the forward input's, by default ``y``'s."""
     if type(dim) is not int:
         return softmax_backward(y, dy, _int_dim(dim), dtype)
-    key = None
+    key = y_ptr = dy_ptr = None
     if not torch.compiler.is_compiling() and (type(y) is torch.Tensor or kernels.has_data(y)) and (
             type(dy) is torch.Tensor or kernels.has_data(dy)):
-        y_ptr, dy_ptr = y.data_ptr(), dy.data_ptr()
-        key = (y.shape, dy.shape, y.stride(), dy.stride(), y.dtype, dy.dtype, y.get_device(), dim, y_ptr % 16 == 0,
-               dy_ptr % 16 == 0, dtype)
-        call = _plain_calls.get(key)
-        if call is not None and not (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
-            return call(y, dy, y_ptr, dy_ptr)
+        try:
+            y_ptr, dy_ptr = y.data_ptr(), dy.data_ptr()
+            key = (y.shape, dy.shape, y.stride(), dy.stride(), y.dtype, dy.dtype, y.get_device(), dim,
+                   y_ptr % 16 == 0, dy_ptr % 16 == 0, dtype)
+        except RuntimeError:  # as in softmax
+            y_ptr = None
+        else:
+            call = _plain_calls.get(key)
+            if call is not None and not (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
+                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):
+                return call(y, dy, y_ptr, dy_ptr)
     _check_tensor("y", y)
     _check_tensor("dy", dy)
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
     dx_dtype = _result_dtype(dtype, y.dtype)
-    if _traced(y, dy) or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)):
+    if _traced(y, dy) or (y_ptr is None and not _wrapped_by_torch_func(y, dy)):
         return _softmax_backward_op(y, dy, dim, dx_dtype)
+    if y_ptr is None or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():
+        return SoftmaxBackward.apply(y, dy, dim, dx_dtype)
     call, dx = _backward_call(y, dy, dim, dx_dtype)
     _remember(key, call)
     return call(y, dy, y_ptr, dy_ptr, dx)
 
 
+def _forward_mode_on() -> bool:
+    """Whether forward-mode AD sees this call: inside ``forward_ad.dual_level()`` (``torch.func.jvp`` enters one too),
+    and not in an autograd.Function's forward, which turns it off."""
+    return forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()
+
+
+def _widened(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors in fp32, or fp64 if any is: the precision of the second-order terms computed in PyTorch."""
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return [t.to(wide) for t in tensors]
+
+
+def _vmapped(fn, info, in_dims: tuple, tensors: tuple[torch.Tensor, ...], dim: int, dtype: torch.dtype):
+    """``fn`` (``softmax`` or ``softmax_backward``) over a ``torch.func.vmap`` batch in one call: each tensor's batch
+    dim moved first (a tensor without one expanded to the batch), the softmax dim one further on, a 0-d sample as a
+    row of one element. Returns the result and its batch dim, 0."""
+    batched = [t.movedim(b, 0) if b is not None else t.expand(info.batch_size, *t.shape)
+               for t, b in zip(tensors, in_dims[:len(tensors)], strict=True)]
+    if batched[0].ndim == 1:
+        return fn(*(t.unsqueeze(1) for t in batched), 1, dtype).squeeze(1), 0
+    return fn(*batched, dim + 1, dtype), 0
+
+
 class Softmax(torch.autograd.Function):
-    """Triton forward; the backward uses only the saved output ``y`` (no Jacobian, no re-read of ``x``)."""
+    """Triton forward; the backward uses only the saved output ``y`` (no Jacobian, no re-read of ``x``).
+
+    ``jvp`` (forward mode) and ``vmap`` let ``forward_ad`` and ``torch.func``'s transforms through as well."""
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -383,6 +431,7 @@ class Softmax(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple[torch.Tensor, int, torch.dtype | None], output: torch.Tensor) -> None:
         ctx.save_for_backward(output)  # y, not x
+        ctx.save_for_forward(output)
         ctx.dim, ctx.x_dtype = inputs[1], inputs[0].dtype
 
     @staticmethod
@@ -390,14 +439,25 @@ class Softmax(torch.autograd.Function):
         (y,) = ctx.saved_tensors
         return softmax_backward(y, dy, ctx.dim, ctx.x_dtype), None, None
 
+    @staticmethod
+    def jvp(ctx, x_tangent: torch.Tensor, _dim, _dtype) -> torch.Tensor:
+        """The Jacobian is symmetric, so the tangent ``J @ x_tangent`` is the backward's formula applied to it."""
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, x_tangent, ctx.dim, y.dtype)
+
+    @staticmethod
+    def vmap(info, in_dims: tuple, x: torch.Tensor, dim: int, dtype: torch.dtype | None):
+        return _vmapped(softmax, info, in_dims, (x,), dim, dtype)
+
 
 # The operator's autograd is this Function's: the same context and backward, registered once (notebook 08).
 torch.library.register_autograd("softmax_course::softmax", Softmax.backward, setup_context=Softmax.setup_context)
 
 
 def _save_backward_inputs(ctx, inputs: tuple[torch.Tensor, torch.Tensor, int, torch.dtype], output: torch.Tensor):
-    y, dy, ctx.dim, _ = inputs
+    y, dy, ctx.dim, ctx.dx_dtype = inputs
     ctx.save_for_backward(y, dy)
+    ctx.save_for_forward(y, dy)
 
 
 def _backward_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
@@ -410,8 +470,7 @@ def _backward_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch
     if ctx.needs_input_grad[1]:
         grad_dy = softmax_backward(y, g, ctx.dim, dy.dtype)
     if ctx.needs_input_grad[0]:
-        wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype, g.dtype) else torch.float32
-        y_w, dy_w, g_w = y.to(wide), dy.to(wide), g.to(wide)
+        y_w, dy_w, g_w = _widened(y, dy, g)
         grad_y = (g_w * (dy_w - (y_w * dy_w).sum(ctx.dim, keepdim=True))
                   - dy_w * (g_w * y_w).sum(ctx.dim, keepdim=True)).to(y.dtype)
     return grad_y, grad_dy, None, None
@@ -419,6 +478,37 @@ def _backward_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch
 
 torch.library.register_autograd("softmax_course::softmax_backward", _backward_backward,
                                 setup_context=_save_backward_inputs)
+
+
+class SoftmaxBackward(torch.autograd.Function):
+    """``softmax_backward`` in eager autograd: the operator's context and gradients (above), with forward mode and
+    ``vmap`` as ``Softmax`` has them."""
+
+    @staticmethod
+    def forward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return softmax_backward(y, dy, dim, dtype)
+
+    setup_context = staticmethod(_save_backward_inputs)
+    backward = staticmethod(_backward_backward)
+
+    @staticmethod
+    def jvp(ctx, y_tangent: torch.Tensor | None, dy_tangent: torch.Tensor | None, _dim, _dtype) -> torch.Tensor:
+        """The change in ``dx = y * (dy - <y, dy>)``: the backward of ``dy``'s tangent (it is linear in ``dy``), plus
+        ``y_t * (dy - <y, dy>) - y * <y_t, dy>`` for ``y``'s tangent ``y_t``, in PyTorch at fp32 (fp64 if any is)."""
+        y, dy = ctx.saved_tensors
+        tangent = None
+        if y_tangent is not None:
+            y_w, dy_w, y_t = _widened(y, dy, y_tangent)
+            tangent = (y_t * (dy_w - (y_w * dy_w).sum(ctx.dim, keepdim=True))
+                       - y_w * (y_t * dy_w).sum(ctx.dim, keepdim=True))
+        if dy_tangent is not None:
+            from_dy = softmax_backward(y, dy_tangent, ctx.dim, ctx.dx_dtype if tangent is None else tangent.dtype)
+            tangent = from_dy if tangent is None else tangent + from_dy
+        return tangent.to(ctx.dx_dtype)
+
+    @staticmethod
+    def vmap(info, in_dims: tuple, y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype):
+        return _vmapped(softmax_backward, info, in_dims, (y, dy), dim, dtype)
 
 
 class GraphSoftmax(torch.autograd.Function):

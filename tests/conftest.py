@@ -77,6 +77,28 @@ def torch_backward(y, dy, dim):
     return torch._softmax_backward_data(dy.double(), y.double(), dim, torch.float64)
 
 
+# fp32 layouts that take each path of the kernels (fp64 takes turned tiles or rows where fp32 takes the columns): shape,
+# dim, channels-last.
+LAYOUT_PATHS = {"rows": ((8, 16), -1, False), "held-columns": ((3, 4, 37), 1, False),
+                "turned": ((2, 8, 3, 3), 1, True), "split-columns": ((4, 1500, 17), 1, False), "0-d": ((), 0, False)}
+
+
+def layout_inputs(path: str, count: int) -> list:
+    """``count`` fp32 tensors of ``path``'s layout (``LAYOUT_PATHS``), then its dim."""
+    shape, dim, channels_last = LAYOUT_PATHS[path]
+    tensors = [randn(*shape, scale=1.0) for _ in range(count)]
+    return [t.to(memory_format=torch.channels_last) if channels_last else t for t in tensors] + [dim]
+
+
+def assert_path(path: str, dim: int, *tensors: torch.Tensor) -> None:
+    """That a call over ``dim`` of ``tensors`` takes ``path``'s kernels (``LAYOUT_PATHS``)."""
+    columns, turned = path in ("held-columns", "split-columns"), path == "turned"
+    assert helpers.columns.takes_columns(dim, *tensors) == columns
+    assert helpers.columns.takes_turned(dim, *tensors) == turned
+    t = tensors[0]
+    assert (t.ndim > 0 and t.shape[dim] > helpers.columns.MAX_HELD) == (path == "split-columns")
+
+
 def launched() -> set[str]:
     """The kernels of the launches planned in this test (a test that asks starts with ``recipes._recipes`` empty)."""
     return {step.kernel.fn.__name__ for recipe in helpers.recipes._recipes.values() for step in recipe.steps}

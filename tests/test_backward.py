@@ -2,7 +2,16 @@
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, DTYPES, ODD_SHAPE, randn, torch_backward
+from conftest import (
+    BACKWARD_TOLERANCE,
+    DTYPES,
+    LAYOUT_PATHS,
+    ODD_SHAPE,
+    assert_path,
+    layout_inputs,
+    randn,
+    torch_backward,
+)
 
 import helpers
 from helpers import ops
@@ -157,28 +166,16 @@ def gradient_penalty_grads(softmax, x, w, dim):
     return torch.autograd.grad(grad_x.pow(2).sum(), (x, w))
 
 
-# fp32, whose layouts take every path (fp64 takes turned tiles or rows where fp32 takes the column kernels)
-DOUBLE_BACKWARD_PATHS = {"rows": ((8, 16), -1, False), "held-columns": ((3, 4, 37), 1, False),
-                         "turned": ((2, 8, 3, 3), 1, True), "split-columns": ((4, 1500, 17), 1, False),
-                         "0-d": ((), 0, False)}
-
-
-@pytest.mark.parametrize("path", DOUBLE_BACKWARD_PATHS)
+@pytest.mark.parametrize("path", LAYOUT_PATHS)
 @pytest.mark.parametrize("softmax", AUTOGRAD_SOFTMAXES)
 def test_double_backward_matches_torch(softmax, path):
     """A gradient penalty through every path, against torch in fp64. Differentiating the backward again needs the
     gradient through the saved output y too, not only through dy (which ``once_differentiable`` looked at: it lost
     the part through y)."""
-    shape, dim, channels_last = DOUBLE_BACKWARD_PATHS[path]
-    x, w = (randn(*shape, dtype=torch.float32, scale=1.0) for _ in range(2))
-    x, w = (t.to(memory_format=torch.channels_last) if channels_last else t for t in (x, w))
-    path_taken = {"held-columns": (True, False), "split-columns": (True, False), "turned": (False, True)}.get(
-        path, (False, False))  # (takes_columns, takes_turned), forward and both backwards (of dy = w, then of g)
+    x, w, dim = layout_inputs(path, 2)
     y = helpers.softmax(x, dim)
-    for tensors in ((x,), (y, w)):
-        takes = (helpers.columns.takes_columns(dim, *tensors), helpers.columns.takes_turned(dim, *tensors))
-        assert takes == path_taken
-    assert (x.ndim > 0 and x.shape[dim] > helpers.columns.MAX_HELD) == (path == "split-columns")
+    assert_path(path, dim, x)  # the forward
+    assert_path(path, dim, y, w)  # both backwards: of dy = w, then of g, laid out as w
     ours = [t.clone().requires_grad_() for t in (x, w)]
     theirs = [t.double().requires_grad_() for t in (x, w)]
     expected = gradient_penalty_grads(torch.softmax, *theirs, dim)
