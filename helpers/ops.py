@@ -43,8 +43,15 @@ def _check_tensor(name: str, t: object) -> None:
 
 def _wrapped_by_torch_func(*tensors: torch.Tensor) -> bool:
     """Whether a tensor is a torch.func wrapper (grad, vmap, jvp, ...): it holds no data, and the autograd.Functions'
-    transform rules (``Softmax``) unwrap it for the kernels."""
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    transform rules (``Softmax``) unwrap it for the kernels. A vmap batch that escaped its function has no rule left
+    to unwrap it: refused, as torch refuses it."""
+    wrapped = False
+    for t in tensors:
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            if torch._C._functorch.is_batchedtensor(t) and not torch._C._are_functorch_transforms_active():
+                raise RuntimeError("a tensor of a torch.func.vmap batch escaped from the function being vmapped")
+            wrapped = True
+    return wrapped
 
 
 def _int_dim(dim: object) -> int:
@@ -333,12 +340,12 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
         try:
             x_ptr = x.data_ptr()
             key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0, dtype)
-        except RuntimeError:  # no data (a torch.func wrapper, a legacy vmap's batch) or no strides (a nested tensor)
-            x_ptr = None
+        except RuntimeError:  # no data (a torch.func wrapper, a legacy vmap's batch, a sparse tensor) or no strides
+            x_ptr = None  # (a nested tensor)
         else:
             call = _plain_calls.get(key)
             if call is not None and not (x.requires_grad and torch.is_grad_enabled()) and (
-                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):
+                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on, inline
                 return call(x, x_ptr)
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
@@ -347,7 +354,7 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
         return softmax(x.to(y_dtype), dim)  # a cast the kernels do not make as they load: torch's order
     if _traced(x) or (x_ptr is None and not _wrapped_by_torch_func(x)):
         return _softmax_op(x, dim, y_dtype)  # traced, or no data: a legacy vmap's batch, which runs sample by sample
-    if x_ptr is None or (x.requires_grad and torch.is_grad_enabled()) or _forward_mode_on():
+    if x_ptr is None or (x.requires_grad and torch.is_grad_enabled()) or _forward_mode_on():  # None: torch.func's
         return Softmax.apply(x, dim, y_dtype)  # the operator's autograd, without its dispatcher; back here to run
     call, y = _forward_call(x, dim, y_dtype)
     _remember(key, call)
@@ -379,7 +386,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
         else:
             call = _plain_calls.get(key)
             if call is not None and not (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
-                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):
+                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on
                 return call(y, dy, y_ptr, dy_ptr)
     _check_tensor("y", y)
     _check_tensor("dy", dy)
@@ -390,7 +397,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     if _traced(y, dy) or (y_ptr is None and not _wrapped_by_torch_func(y, dy)):
         return _softmax_backward_op(y, dy, dim, dx_dtype)
     if y_ptr is None or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():
-        return SoftmaxBackward.apply(y, dy, dim, dx_dtype)
+        return SoftmaxBackward.apply(y, dy, dim, dx_dtype)  # y_ptr None: torch.func's wrappers, as in softmax
     call, dx = _backward_call(y, dy, dim, dx_dtype)
     _remember(key, call)
     return call(y, dy, y_ptr, dy_ptr, dx)
@@ -416,7 +423,7 @@ def _vmapped(fn, info, in_dims: tuple, tensors: tuple[torch.Tensor, ...], dim: i
                for t, b in zip(tensors, in_dims[:len(tensors)], strict=True)]
     if batched[0].ndim == 1:
         return fn(*(t.unsqueeze(1) for t in batched), 1, dtype).squeeze(1), 0
-    return fn(*batched, dim + 1, dtype), 0
+    return fn(*batched, _dim_index(dim, batched[0].ndim - 1) + 1, dtype), 0
 
 
 class Softmax(torch.autograd.Function):
@@ -441,9 +448,10 @@ class Softmax(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_tangent: torch.Tensor, _dim, _dtype) -> torch.Tensor:
-        """The Jacobian is symmetric, so the tangent ``J @ x_tangent`` is the backward's formula applied to it."""
+        """The Jacobian is symmetric, so the tangent ``J @ x_tangent`` is the backward's formula applied to it (in the
+        wider of y's and the tangent's dtypes, as torch's)."""
         (y,) = ctx.saved_tensors
-        return softmax_backward(y, x_tangent, ctx.dim, y.dtype)
+        return softmax_backward(y, x_tangent, ctx.dim, torch.promote_types(y.dtype, x_tangent.dtype))
 
     @staticmethod
     def vmap(info, in_dims: tuple, x: torch.Tensor, dim: int, dtype: torch.dtype | None):
@@ -494,17 +502,23 @@ class SoftmaxBackward(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, y_tangent: torch.Tensor | None, dy_tangent: torch.Tensor | None, _dim, _dtype) -> torch.Tensor:
         """The change in ``dx = y * (dy - <y, dy>)``: the backward of ``dy``'s tangent (it is linear in ``dy``), plus
-        ``y_t * (dy - <y, dy>) - y * <y_t, dy>`` for ``y``'s tangent ``y_t``, in PyTorch at fp32 (fp64 if any is)."""
+        ``y_t * (dy - <y, dy>) - y * <y_t, dy>`` for ``y``'s tangent ``y_t``, in PyTorch at fp32 (fp64 if any is).
+        Its dtype is torch's: ``dx``'s where that is a cast from ``y``'s, else the widest of ``dx``'s and the
+        tangents'."""
         y, dy = ctx.saved_tensors
+        tangent_dtype = ctx.dx_dtype
+        for t in (y_tangent, dy_tangent):
+            if t is not None and ctx.dx_dtype == y.dtype:
+                tangent_dtype = torch.promote_types(tangent_dtype, t.dtype)
         tangent = None
         if y_tangent is not None:
             y_w, dy_w, y_t = _widened(y, dy, y_tangent)
             tangent = (y_t * (dy_w - (y_w * dy_w).sum(ctx.dim, keepdim=True))
                        - y_w * (y_t * dy_w).sum(ctx.dim, keepdim=True))
         if dy_tangent is not None:
-            from_dy = softmax_backward(y, dy_tangent, ctx.dim, ctx.dx_dtype if tangent is None else tangent.dtype)
+            from_dy = softmax_backward(y, dy_tangent, ctx.dim, tangent_dtype if tangent is None else tangent.dtype)
             tangent = from_dy if tangent is None else tangent + from_dy
-        return tangent.to(ctx.dx_dtype)
+        return tangent.to(tangent_dtype)
 
     @staticmethod
     def vmap(info, in_dims: tuple, y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype):

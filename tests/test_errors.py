@@ -75,3 +75,13 @@ def test_sparse_and_nested_tensors(layout):
         with pytest.raises(NotImplementedError, match=r"the kernels take dense \(strided\) tensors"):
             call()
 
+
+def test_a_batch_that_escaped_vmap():
+    """torch refuses a tensor of a vmap batch used after its function returned; so do the ops, rather than loop."""
+    escaped = []
+    torch.func.vmap(lambda t: escaped.append(t) or t)(randn(3, 5))
+    for call in (lambda t: helpers.softmax(t), lambda t: helpers.softmax_backward(t, t)):
+        with pytest.raises(RuntimeError, match="escaped from the function being vmapped"):
+            call(escaped[0])
+    with pytest.raises(RuntimeError, match="escaped"):
+        torch.softmax(escaped[0], -1)

@@ -40,16 +40,18 @@ def test_forward_mode_matches_torch(softmax, path):
     torch.testing.assert_close(y_tangent.double(), want_tangent, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.float32),
-                                               (torch.float16, None), (torch.float32, torch.float64),
-                                               (torch.float64, None)])
-def test_forward_mode_dtypes(dtype, out_dtype):
-    """The tangent's dtype is the output's, as torch's, for a 16-bit input asked for fp32 and an upcast to fp64."""
-    x, tangent = randn(5, 33, dtype=dtype), randn(5, 33, dtype=dtype, scale=1.0)
+@pytest.mark.parametrize("dtype, out_dtype, tangent_dtype", [
+    (torch.bfloat16, None, None), (torch.bfloat16, torch.float32, None), (torch.float16, None, None),
+    (torch.float32, torch.float64, None), (torch.float64, None, None), (torch.bfloat16, None, torch.float32),
+    (torch.float32, None, torch.float64)])
+def test_forward_mode_dtypes(dtype, out_dtype, tangent_dtype):
+    """The tangent's dtype is torch's: the output's, for a 16-bit input asked for fp32 and an upcast to fp64, or the
+    tangent's where it is wider."""
+    x, tangent = randn(5, 33, dtype=dtype), randn(5, 33, dtype=tangent_dtype or dtype, scale=1.0)
     _, got = dual_softmax(helpers.softmax, x, tangent, -1, out_dtype)
     _, want = dual_softmax(torch.softmax, x, tangent, -1, out_dtype)
     assert got.dtype == want.dtype
-    torch.testing.assert_close(got, want, **BACKWARD_TOLERANCE[want.dtype])
+    torch.testing.assert_close(got, want, **BACKWARD_TOLERANCE[out_dtype or dtype])  # to y's rounding
 
 
 def test_forward_mode_of_the_backward():
@@ -71,6 +73,29 @@ def test_forward_mode_of_the_backward():
                 results.append(fwAD.unpack_dual(backward(*duals, 1)).tangent)
         got, want = results
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("y_dtype, dx_dtype, tangent_dtype", [
+    (torch.float32, torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float32), (torch.float32, torch.float32, torch.float64)])
+def test_forward_mode_of_the_backward_dtypes(y_dtype, dx_dtype, tangent_dtype):
+    """The tangent of ``dx`` in torch's dtype: ``dx``'s where that is a cast from ``y``'s (the backward of an fp32
+    output asked of a bf16 input), else the wider of ``dx``'s and the tangents'; each tangent alone."""
+    y = torch.softmax(randn(3, 40), -1).to(y_dtype)
+    dy = randn(3, 40, dtype=y_dtype, scale=1.0)
+    for y_tangent, dy_tangent in ((randn(3, 40, dtype=tangent_dtype, scale=1.0), None),
+                                  (None, randn(3, 40, dtype=tangent_dtype, scale=1.0))):
+        results = []
+        for backward in (lambda a, b, d: helpers.softmax_backward(a, b, -1, d),
+                         lambda a, b, d: torch._softmax_backward_data(b, a, -1, d)):
+            with fwAD.dual_level():
+                duals = [t if t_t is None else fwAD.make_dual(t, t_t)
+                         for t, t_t in ((y, y_tangent), (dy, dy_tangent))]
+                results.append(fwAD.unpack_dual(backward(*duals, dx_dtype)).tangent)
+        got, want = results
+        assert got.dtype == want.dtype
+        coarsest = torch.bfloat16 if torch.bfloat16 in (y_dtype, dx_dtype) else y_dtype
+        torch.testing.assert_close(got, want, **BACKWARD_TOLERANCE[coarsest])
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -115,16 +140,28 @@ TRANSFORMS = {
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("shape, dim", [((6,), 0), ((3, 7), -1), ((3, 7), 0), ((2, 3, 5), 1)])
-def test_torch_func_transforms(transform, shape, dim):
+@pytest.mark.parametrize("shape, dim", [((6,), 0), ((3, 7), -1), ((3, 7), 0), ((2, 3, 5), 1), ((2, 3, 5), -2)])
+@pytest.mark.parametrize("softmax", AUTOGRAD_SOFTMAXES)
+def test_torch_func_transforms(softmax, transform, shape, dim):
+    """Each transform of ``helpers.softmax`` and of the autograd.Function, which is handed the dim as given."""
     x, t = randn(*shape, dtype=torch.float64), randn(*shape, dtype=torch.float64, scale=1.0)
     helpers.softmax(x, dim)  # a plain call keeps the layout's launch first
-    got = TRANSFORMS[transform](lambda a: helpers.softmax(a, dim), x, t)
+    got = TRANSFORMS[transform](lambda a: softmax(a, dim), x, t)
     want = TRANSFORMS[transform](lambda a: torch.softmax(a, dim), x, t)
     torch.testing.assert_close(got, want)
 
 
-def test_vmap_over_samples_of_every_rank():
+@pytest.mark.parametrize("transform", ["vmap", "jacrev", "jacfwd"])
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
+def test_torch_func_with_an_output_dtype(transform, dtype, out_dtype):
+    x, t = randn(3, 7, dtype=dtype), randn(3, 7, dtype=dtype, scale=1.0)
+    got = TRANSFORMS[transform](lambda a: helpers.softmax(a, -1, out_dtype), x, t)
+    want = TRANSFORMS[transform](lambda a: torch.softmax(a, -1, dtype=out_dtype), x, t)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, **BACKWARD_TOLERANCE[dtype])
+
+
+def test_vmap_of_0d_samples_and_of_an_unbatched_y():
     """vmap's samples 0-d (a batch of one-element softmaxes), and ``softmax_backward`` with only ``dy`` batched."""
     x = randn(6, dtype=torch.float64)
     torch.testing.assert_close(torch.func.vmap(helpers.softmax)(x), torch.ones_like(x))
