@@ -507,9 +507,9 @@ class SoftmaxBackward(torch.autograd.Function):
         tangents'."""
         y, dy = ctx.saved_tensors
         tangent_dtype = ctx.dx_dtype
-        for t in (y_tangent, dy_tangent):
-            if t is not None and ctx.dx_dtype == y.dtype:
-                tangent_dtype = torch.promote_types(tangent_dtype, t.dtype)
+        if ctx.dx_dtype == y.dtype:  # no cast: the widest
+            for t in (y_tangent, dy_tangent):
+                tangent_dtype = tangent_dtype if t is None else torch.promote_types(tangent_dtype, t.dtype)
         tangent = None
         if y_tangent is not None:
             y_w, dy_w, y_t = _widened(y, dy, y_tangent)

@@ -77,6 +77,13 @@ def torch_backward(y, dy, dim):
     return torch._softmax_backward_data(dy.double(), y.double(), dim, torch.float64)
 
 
+# helpers.softmax (the registered operator, notebook 08) and notebook 04's torch.autograd.Function around the same ops
+AUTOGRAD_SOFTMAXES = [
+    pytest.param(helpers.softmax, id="operator"),
+    pytest.param(lambda x, dim=-1, dtype=None: ops.Softmax.apply(x, dim, dtype), id="autograd.Function"),
+]
+
+
 # fp32 layouts that take each path of the kernels (fp64 takes turned tiles or rows where fp32 takes the columns): shape,
 # dim, channels-last.
 LAYOUT_PATHS = {"rows": ((8, 16), -1, False), "held-columns": ((3, 4, 37), 1, False),

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import (
+    AUTOGRAD_SOFTMAXES,
     BACKWARD_TOLERANCE,
     DTYPES,
     LAYOUT_PATHS,
@@ -14,13 +15,7 @@ from conftest import (
 )
 
 import helpers
-from helpers import ops
 
-# helpers.softmax (the registered operator, notebook 08) and notebook 04's torch.autograd.Function around the same ops
-AUTOGRAD_SOFTMAXES = [
-    pytest.param(helpers.softmax, id="operator"),
-    pytest.param(lambda x, dim=-1: ops.Softmax.apply(x, dim), id="autograd.Function"),
-]
 
 def check_backward(y, dy, dim=-1):
     y_before, dy_before = y.clone(), dy.clone()

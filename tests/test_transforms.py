@@ -6,15 +6,9 @@ import functools
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from conftest import BACKWARD_TOLERANCE, LAYOUT_PATHS, assert_path, layout_inputs, randn
+from conftest import AUTOGRAD_SOFTMAXES, BACKWARD_TOLERANCE, LAYOUT_PATHS, assert_path, layout_inputs, randn
 
 import helpers
-from helpers import ops
-
-AUTOGRAD_SOFTMAXES = [
-    pytest.param(helpers.softmax, id="softmax"),
-    pytest.param(lambda x, dim=-1, dtype=None: ops.Softmax.apply(x, dim, dtype), id="autograd.Function"),
-]
 
 
 def dual_softmax(softmax, x, tangent, dim, dtype=None):
