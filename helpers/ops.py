@@ -329,12 +329,15 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
 
     fp16 and bf16 are computed in fp32 and stored back in their dtype; fp64 is computed in fp64. ``dtype``, as
     torch's, is the output's, to which ``x`` is cast first: a 16-bit ``x`` to fp32 (the upcast attention code asks
-    for) in the kernels as they load it, any other cast by ``x.to(dtype)``. Its backward is ``softmax_backward`` of
-    the saved output, into ``x``'s dtype. The backward is differentiable again, and forward mode (a tangent's
+    for) in the kernels as they load it, any other cast by ``x.to(dtype)``. Under CUDA autocast a 16-bit ``x`` and
+    no ``dtype`` give fp32, as torch's does. Its backward is ``softmax_backward`` of the saved output, into ``x``'s
+    dtype. The backward is differentiable again, and forward mode (a tangent's
     ``J @ x_t``) and torch.func's transforms (grad, vmap, jacrev, jacfwd, hessian, ...) run on the same kernels.
     """
     if type(dim) is not int:
         return softmax(x, _int_dim(dim), dtype)  # one type for the layout's key: 1.0 == True == 1
+    if dtype is None and _any_autocast() and _autocast_widens(x):
+        dtype = torch.float32
     key = x_ptr = None
     if not torch.compiler.is_compiling() and (type(x) is torch.Tensor or kernels.has_data(x)):
         try:
@@ -359,6 +362,16 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     call, y = _forward_call(x, dim, y_dtype)
     _remember(key, call)
     return call(x, x_ptr, y)
+
+
+_any_autocast = torch._C._is_any_autocast_enabled  # read on every call: one lookup less
+
+
+def _autocast_widens(x: object) -> bool:
+    """Whether torch.softmax of ``x`` under the autocast now on returns fp32: CUDA autocast's float32 list holds
+    softmax (CPU autocast's does not), and it widens 16-bit tensors only."""
+    return (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and torch.is_autocast_enabled("cuda"))
 
 
 def softmax_forward(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:

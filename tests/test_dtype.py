@@ -4,7 +4,7 @@ x's dtype; other casts go through ``x.to(dtype)``."""
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, TOLERANCE, launched, randn, torch_backward
+from conftest import BACKWARD_TOLERANCE, DTYPES, TOLERANCE, launched, randn, torch_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import helpers
@@ -156,3 +156,31 @@ def test_python_float_is_float64():
         assert y.dtype == torch.float64
         torch.testing.assert_close(y, torch.softmax(x, -1, dtype=float))
         assert helpers.softmax_backward(y.float(), y.float(), -1, float).dtype == torch.float64
+
+
+@pytest.mark.parametrize("autocast_dtype", HALVES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autocast_gives_torchs_dtype(dtype, autocast_dtype):
+    """Under autocast, the output's dtype is torch.softmax's: CUDA autocast's float32 list widens a 16-bit x to fp32,
+    CPU autocast keeps x's dtype. So for a plain call of a layout launched before outside autocast, for autograd (the
+    gradient in x's dtype) and under torch.compile."""
+    x = randn(6, 5, 29, dtype=dtype)
+    dy = randn(6, 5, 29, scale=1.0)
+    helpers.softmax(x, -1)  # the layout's launch, kept for plain calls that ask for no dtype
+    x_grad, x_torch = x.clone().requires_grad_(), x.clone().requires_grad_()
+    compiled = torch.compile(lambda x: helpers.softmax(x, 1), backend="aot_eager", fullgraph=True)
+    with torch.autocast(helpers.DEVICE.type, dtype=autocast_dtype):
+        expected, expected_dim_1 = torch.softmax(x_torch, -1), torch.softmax(x, 1)
+        results = [helpers.softmax(x, -1), helpers.softmax(x, -1), helpers.softmax(x_grad, -1)]
+        result_dim_1 = compiled(x)
+    widened = helpers.DEVICE.type == "cuda" and dtype in HALVES
+    assert expected.dtype == (torch.float32 if widened else dtype)  # what this test takes torch's rule to be
+    for y in results:
+        assert y.dtype == expected.dtype
+        torch.testing.assert_close(y, expected, **TOLERANCE[y.dtype])
+    assert result_dim_1.dtype == expected_dim_1.dtype
+    torch.testing.assert_close(result_dim_1, expected_dim_1, **TOLERANCE[expected_dim_1.dtype])
+    (results[-1] * dy).sum().backward()
+    (expected * dy).sum().backward()
+    assert x_grad.grad.dtype == dtype
+    torch.testing.assert_close(x_grad.grad, x_torch.grad, **BACKWARD_TOLERANCE[dtype])
