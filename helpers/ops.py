@@ -235,9 +235,23 @@ _eager_softmax_backward_op = torch.ops.softmax_course.softmax_backward_eager.def
 
 
 def _traced(*tensors: torch.Tensor) -> bool:
-    """Whether torch.compile is tracing the call, or a tensor is traced (FakeTensors, ...): then the operator runs,
-    for the tracer to see. Plain calls skip its dispatcher, which adds Python time to every call."""
-    return torch.compiler.is_compiling() or not recipes.plain(tensors)
+    """Whether torch.compile is tracing the call, or a tensor is traced (FakeTensors, torch.func.functionalize's
+    wrappers, ...): then the operator runs, for the tracer to see. Plain calls skip its dispatcher, which adds Python
+    time to every call."""
+    return torch.compiler.is_compiling() or not recipes.plain(tensors) or _functionalized(*tensors)
+
+
+def _functionalized(*tensors: torch.Tensor) -> bool:
+    """Whether a tensor is a ``torch.func.functionalize`` wrapper, whose ``data_ptr()`` is 0: the operator runs, which
+    functionalize unwraps. The operator has no forward-mode rule (a tangent would come back as None, or zeros under
+    torch.func.jvp), so forward mode is refused there."""
+    if not any(torch._is_functional_tensor(t) for t in tensors):
+        return False
+    if _forward_mode_on():
+        raise NotImplementedError("forward-mode AD (forward_ad, torch.func.jvp, jacfwd) through "
+                                  "torch.func.functionalize: the softmax operator that functionalize runs has no "
+                                  "forward-mode rule")
+    return True
 
 
 # Plain calls (tensors with data, nn.Parameters too, outside autograd and torch.compile) of a layout seen before go
@@ -347,9 +361,9 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
             x_ptr = None  # (a nested tensor)
         else:
             call = _plain_calls.get(key)
-            if call is not None and not (x.requires_grad and torch.is_grad_enabled()) and (
+            if call is not None and (x_ptr or not x.numel()) and not (x.requires_grad and torch.is_grad_enabled()) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on, inline
-                return call(x, x_ptr)
+                return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     y_dtype = _result_dtype(dtype, x.dtype)
@@ -398,7 +412,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
             y_ptr = None
         else:
             call = _plain_calls.get(key)
-            if call is not None and not (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
+            if call is not None and (y_ptr and dy_ptr or not y.numel()) and not (
+                    torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on
                 return call(y, dy, y_ptr, dy_ptr)
     _check_tensor("y", y)

@@ -6,7 +6,15 @@ import functools
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from conftest import AUTOGRAD_SOFTMAXES, BACKWARD_TOLERANCE, LAYOUT_PATHS, assert_path, layout_inputs, randn
+from conftest import (
+    AUTOGRAD_SOFTMAXES,
+    BACKWARD_TOLERANCE,
+    LAYOUT_PATHS,
+    assert_path,
+    layout_inputs,
+    randn,
+    torch_backward,
+)
 
 import helpers
 
@@ -174,3 +182,21 @@ def test_plain_calls_inside_a_dual_level():
         torch.testing.assert_close(helpers.softmax(x), want)
     torch.func.grad(lambda a: helpers.softmax(a).sum())(x)
     torch.testing.assert_close(helpers.softmax(x), want)
+
+
+@pytest.mark.parametrize("path", LAYOUT_PATHS)
+def test_functionalize(path):
+    """``torch.func.functionalize``'s wrappers answer ``data_ptr()`` with 0: the operator runs for them, forward and
+    backward, also after plain calls of the same layouts (whose kept launches must not take them), and autograd
+    passes through. Forward mode is refused there: the operator has no forward-mode rule."""
+    x, dy, dim = layout_inputs(path, 2)
+    y = helpers.softmax(x, dim)
+    helpers.softmax_backward(y, dy, dim)  # the layouts' kept launches
+    torch.testing.assert_close(torch.func.functionalize(helpers.softmax)(x, dim), torch.softmax(x, dim))
+    dx = torch_backward(y, dy, dim).float()
+    torch.testing.assert_close(torch.func.functionalize(helpers.softmax_backward)(y, dy, dim), dx)
+    x_grad = x.clone().requires_grad_()
+    (torch.func.functionalize(helpers.softmax)(x_grad, dim) * dy).sum().backward()
+    torch.testing.assert_close(x_grad.grad, dx)
+    with pytest.raises(NotImplementedError, match="functionalize"):
+        torch.func.jvp(torch.func.functionalize(lambda a: helpers.softmax(a, dim)), (x,), (dy,))
