@@ -345,8 +345,9 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     torch's, is the output's, to which ``x`` is cast first: a 16-bit ``x`` to fp32 (the upcast attention code asks
     for) in the kernels as they load it, any other cast by ``x.to(dtype)``. Under CUDA autocast a 16-bit ``x`` and
     no ``dtype`` give fp32, as torch's does. Its backward is ``softmax_backward`` of the saved output, into ``x``'s
-    dtype. The backward is differentiable again, and forward mode (a tangent's
-    ``J @ x_t``) and torch.func's transforms (grad, vmap, jacrev, jacfwd, hessian, ...) run on the same kernels.
+    dtype. The backward is differentiable again, and forward mode (a tangent's ``J @ x_t``) and torch.func's
+    transforms (grad, vmap, jacrev, jacfwd, hessian, ...) run on the same kernels. A meta tensor (shapes, no data)
+    gets torch.softmax's meta result.
     """
     if type(dim) is not int:
         return softmax(x, _int_dim(dim), dtype)  # one type for the layout's key: 1.0 == True == 1
@@ -364,6 +365,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
             if call is not None and (x_ptr or not x.numel()) and not (x.requires_grad and torch.is_grad_enabled()) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on, inline
                 return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        return torch.softmax(x, _dim_index(dim, x.ndim), dtype)  # shapes only (a model on the meta device)
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     y_dtype = _result_dtype(dtype, x.dtype)
@@ -416,12 +419,17 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
                     torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on
                 return call(y, dy, y_ptr, dy_ptr)
-    _check_tensor("y", y)
-    _check_tensor("dy", dy)
+    meta = isinstance(y, torch.Tensor) and isinstance(dy, torch.Tensor) and y.is_meta and dy.is_meta
+    if not meta:
+        _check_tensor("y", y)
+        _check_tensor("dy", dy)
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
     dx_dtype = _result_dtype(dtype, y.dtype)
+    if meta:  # shapes only, as softmax's: the formula in PyTorch, which computes nothing on meta tensors
+        y_w, dy_w = _widened(y, dy)
+        return _in_torch_layout((y_w * (dy_w - (y_w * dy_w).sum(dim, keepdim=True))).to(dx_dtype).contiguous())
     if _traced(y, dy) or (y_ptr is None and not _wrapped_by_torch_func(y, dy)):
         return _softmax_backward_op(y, dy, dim, dx_dtype)
     if y_ptr is None or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():

@@ -115,6 +115,27 @@ def test_empty(shape, dim):
     assert y.shape == x.shape and y.dtype == x.dtype
 
 
+@pytest.mark.parametrize("shape, dim", [((4, 8), 0), ((4, 8), -1), ((), 0), ((2, 0, 3), 1), ((2, 1, 3), 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_meta_tensors(shape, dim, dtype):
+    """A model built on the meta device (shapes without data): softmax, its autograd and softmax_backward give
+    torch's shapes, dtypes and strides, after a call of the same layout with data too; a bad dim is still refused."""
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    helpers.softmax(torch.empty(shape, dtype=dtype, device=helpers.DEVICE), dim)
+    for out_dtype in (None, torch.float32, torch.float64):
+        y, expected = helpers.softmax(x, dim, out_dtype), torch.softmax(x, dim, out_dtype)
+        assert (y.device, y.shape, y.dtype, y.stride()) == (expected.device, expected.shape, expected.dtype,
+                                                            expected.stride())
+    dx, expected = helpers.softmax_backward(x, x, dim), torch._softmax_backward_data(x, x, dim, dtype)
+    assert (dx.device, dx.shape, dx.dtype, dx.stride()) == (expected.device, expected.shape, expected.dtype,
+                                                             expected.stride())
+    leaf = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(helpers.softmax(leaf, dim), leaf, x)
+    assert dx.is_meta and dx.shape == x.shape and dx.dtype == dtype
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        helpers.softmax(x, x.ndim + 1)
+
+
 @pytest.mark.parametrize("make_input, dim", [
     pytest.param(lambda: randn(4, 50), -1, id="contiguous rows"),
     pytest.param(lambda: randn(2, 3, 50, dtype=torch.bfloat16), 2, id="contiguous, rank 3"),
