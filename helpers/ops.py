@@ -112,8 +112,9 @@ def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor, dtype: torch.dtype) 
 
 
 def _new_contiguous_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new contiguous tensor of ``like``'s shape (torch.softmax's layout for any input). Tests replace it too."""
-    return torch.empty(like.shape, dtype=dtype, device=like.device)
+    """A new contiguous tensor of ``like``'s shape (torch.softmax's layout for any input) and type (a subclass's, as
+    torch's). Tests replace it too."""
+    return like.new_empty(like.shape, dtype=dtype)
 
 
 # The operators. On a GPU they are ``torch.library.triton_op``s: torch.compile sees through them to the kernel launches
@@ -367,6 +368,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
                 return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
     if isinstance(x, torch.Tensor) and x.is_meta:
         return torch.softmax(x, _dim_index(dim, x.ndim), dtype)  # shapes only (a model on the meta device)
+    if dtype is not None and isinstance(x, torch.Tensor) and x.dtype not in FLOAT_DTYPES:
+        return softmax(x.to(_result_dtype(dtype, x.dtype)), dim)  # integers, bools: cast first, as torch's
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     y_dtype = _result_dtype(dtype, x.dtype)

@@ -43,13 +43,11 @@ BACKWARD_TOLERANCE = {
 def poisoned_outputs(monkeypatch):
     """Every output the ops allocate starts as NaN: an element a kernel forgets to write cannot pass a comparison."""
 
-    def nan_rows(n_rows, n_cols, like, dtype):
-        return torch.full((n_rows, n_cols), float("nan"), dtype=dtype, device=like.device)
+    def poisoned(allocate):  # the ops' own allocation (its type and layout), filled with NaN
+        return lambda *args, **kwargs: allocate(*args, **kwargs).fill_(float("nan"))
 
-    monkeypatch.setattr(ops, "_new_rows", nan_rows)
-    monkeypatch.setattr(ops, "_new_output", lambda like, dtype: torch.full_like(like, float("nan"), dtype=dtype))
-    monkeypatch.setattr(ops, "_new_contiguous_output",
-                        lambda like, dtype: torch.full(like.shape, float("nan"), dtype=dtype, device=like.device))
+    for name in ("_new_rows", "_new_output", "_new_contiguous_output"):
+        monkeypatch.setattr(ops, name, poisoned(getattr(ops, name)))
     monkeypatch.setattr(ops, "_plain_calls", {})  # each test's first call of a layout is checked and planned
 
 

@@ -140,6 +140,18 @@ def test_a_layout_remembers_each_dtype():
         assert helpers.softmax_backward(y, y, -1, torch.bfloat16).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("x_dtype", [torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_integers_cast_to_a_float_dtype(x_dtype, dtype):
+    """torch.softmax takes integer and bool tensors where ``dtype`` is a float dtype (x cast to it first): so do the
+    ops; without ``dtype`` both refuse them (test_errors.py)."""
+    x = (randn(5, 37) * 3).to(x_dtype)
+    for _ in range(2):
+        y = helpers.softmax(x, 0, dtype)
+        assert y.dtype == dtype
+        torch.testing.assert_close(y, torch.softmax(x, 0, dtype=dtype), **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "float32"])
 def test_dtype_must_be_a_float_dtype(dtype):
     x = randn(3, 4)

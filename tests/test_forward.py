@@ -217,18 +217,25 @@ SUBCLASSES = {"parameter": lambda t, grad: torch.nn.Parameter(t, requires_grad=g
                          ids=["rows", "held-columns", "turned", "split-columns"])
 def test_tensor_subclasses(kind, requires_grad, shape, dim, channels_last):
     """Softmax of a weight (a model's mixing logits): the kernels run on a Parameter's own data, forward, backward
-    through autograd, and ``softmax_backward`` of subclasses."""
+    through autograd, and ``softmax_backward`` of subclasses, each result of torch's type (a subclass's own, a
+    Parameter's plain Tensor), first call and kept launch alike."""
     make = SUBCLASSES[kind]
     data = randn(*shape)
     data = data.to(memory_format=torch.channels_last) if channels_last else data
     x = make(data, requires_grad)
-    y = helpers.softmax(x, dim)
     expected_y = torch.softmax(data, dim)
-    torch.testing.assert_close(y, expected_y, **TOLERANCE[torch.float32])
+    for _ in range(2):
+        y = helpers.softmax(x, dim)
+        torch.testing.assert_close(y, expected_y, **TOLERANCE[torch.float32])
+        assert type(y) is type(torch.softmax(x, dim))
     dy = randn(*shape)
     expected_dx = torch_backward(expected_y, dy, dim).float()
     if requires_grad:
         (dx,) = torch.autograd.grad(y, x, dy)
         torch.testing.assert_close(dx, expected_dx, atol=1e-6, rtol=1e-4)
-    dx = helpers.softmax_backward(make(expected_y, False), make(dy, False), dim)
-    torch.testing.assert_close(dx, expected_dx, atol=1e-6, rtol=1e-4)
+        assert type(dx) is type(torch.autograd.grad(torch.softmax(x, dim), x, dy)[0])
+    y_sub, dy_sub = make(expected_y, False), make(dy, False)
+    for _ in range(2):
+        dx = helpers.softmax_backward(y_sub, dy_sub, dim)
+        torch.testing.assert_close(dx, expected_dx, atol=1e-6, rtol=1e-4)
+        assert type(dx) is type(torch._softmax_backward_data(dy_sub, y_sub, dim, y_sub.dtype))
