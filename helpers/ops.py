@@ -17,7 +17,7 @@ import torch
 from torch.autograd import forward_ad
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from . import columns, fused, kernels, plans, recipes
+from . import columns, fused, kernels, plans, recipes, reference
 from .device import DEVICE, INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -430,9 +430,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
     dx_dtype = _result_dtype(dtype, y.dtype)
-    if meta:  # shapes only, as softmax's: the formula in PyTorch, which computes nothing on meta tensors
-        y_w, dy_w = _widened(y, dy)
-        return _in_torch_layout((y_w * (dy_w - (y_w * dy_w).sum(dim, keepdim=True))).to(dx_dtype).contiguous())
+    if meta:  # shapes only, as softmax's: the reference formula in PyTorch, which computes nothing on meta tensors
+        return _in_torch_layout(reference.softmax_backward(y, dy, dim).to(dx_dtype).contiguous())
     if _traced(y, dy) or (y_ptr is None and not _wrapped_by_torch_func(y, dy)):
         return _softmax_backward_op(y, dy, dim, dx_dtype)
     if y_ptr is None or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():
