@@ -6,13 +6,13 @@ power of two) in registers, so it reads its input once and writes its output onc
 transpose copy, and the output comes out contiguous, as torch's does. Neighbouring columns are neighbours in memory,
 so each of a program's R rows is one contiguous run of BLOCK_C elements. A dim too long to hold is split among
 programs that exchange each column's partials, as ``fused``'s split rows do, or, where those programs would not fit
-the GPU together, walked twice (notebook 05's online softmax, down the columns). Notebook 09's column exercise is the
-small version of these kernels.
+the GPU together (and in fp64), taken in two launches as ``two_pass`` takes rows: chunks of its rows reduced to
+partials, then merged and finished (notebook 05's online softmax, down the columns). Notebook 09's column exercise is
+the small version of these kernels.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -20,9 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import exchange, plans, recipes, residency
-from .column_split import column_piece, softmax_backward_column_split_kernel, softmax_column_split_kernel
-from .device import INTERPRET
+from . import exchange, plans, recipes, residency, two_pass
+from .column_split import (
+    column_piece,
+    merge_partials,
+    softmax_backward_column_split_kernel,
+    softmax_column_split_kernel,
+)
+from .exchange import FINISH, STATISTICS
 from .kernels import upcast
 from .tiles import KEEP_IN_L2, LOG2E
 
@@ -60,14 +65,13 @@ TALL_BACKWARD_PIECE = (256, 128, 8)
 MAX_TALL_PIECES = 128
 LONG_BACKWARD_PIECE = (512, 64, 8)
 LONGEST_BACKWARD_PIECE = (1024, 32, 8)
-# A split whose pieces do not fit the GPU together is walked twice by programs of LOOPED_COLUMNS columns, LOOPED_ROWS
-# rows at a time, LOOPED_WARPS warps: 3 transfers for the forward's 2, 5 for the backward's 3. Long dims take the
-# columns where the GPU surely holds a group of their last pieces together (``split_surely_fits``), or where at least
-# LOOPED_MIN_PROGRAMS would walk them; else the rows.
-LOOPED_COLUMNS = 32
-LOOPED_ROWS = 256
-LOOPED_WARPS = 8
-LOOPED_MIN_PROGRAMS = 128
+# A dim too long to hold whose split does not fit the GPU together, and an fp64 one (whose partials do not fit the
+# split's packed words), takes two launches in which no program waits for another (``two_pass``'s, down the columns):
+# 3 transfers for the forward's 2, 5 for the backward's 3. Its programs walk chunks of a column block's rows, a block of
+# TWO_PASS_PIECE (rows, bytes of columns, warps) at a time: one block a chunk, or as many as keep a column block to
+# MAX_COLUMN_CHUNKS chunks, whose partials a FINISH program merges at once.
+TWO_PASS_PIECE = (128, 128, 4)
+MAX_COLUMN_CHUNKS = 128
 # A split that runs fewer than MIN_FILL of the programs the GPU holds (or of its pieces, where there are fewer) gives
 # way to the next plan that fills more: one group of 79 tall pieces leaves 53 of an H100's 132 SMs idle, where long
 # pieces run three groups of 40.
@@ -79,19 +83,15 @@ class ColumnPlan:
     block_r: int
     block_c: int
     num_warps: int
-    looped: bool = False  # BLOCK_R rows at a time down a longer dim
     segments: int = 1  # programs that share a block of columns, BLOCK_R rows each
     levels: int = 1  # of a split's merge (``column_split.softmax_column_split_kernel``)
-
-
-WALKED = ColumnPlan(LOOPED_ROWS, LOOPED_COLUMNS, LOOPED_WARPS, looped=True)
 
 
 def column_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int = 1) -> ColumnPlan:
     """The block of a column program for a dim of ``n_reduced`` elements ``n_inner`` apart, reading ``n_inputs``
     tensors (1: forward, 2: backward): held whole up to MAX_HELD (or MAX_HELD_BACKWARD) elements, split among
     programs past that, in the first of ``split_plans`` (on a GPU, the first whose programs fit it together, else
-    walked: ``_recipe``). Symbolic sizes (torch.compile's dynamic shapes) are made concrete, as in
+    in two passes: ``_recipe``). Symbolic sizes (torch.compile's dynamic shapes) are made concrete, as in
     ``plans.plan_for``."""
     n_reduced, n_inner = int(n_reduced), int(n_inner)
     if n_reduced > held_length(n_inner, element_size, n_inputs):
@@ -123,27 +123,23 @@ def split_plans(n_reduced: int, element_size: int, n_inputs: int, n_inner: int =
     else:
         pieces = [(BACKWARD_PIECE, MAX_BACKWARD_PIECES, 1), (TALL_BACKWARD_PIECE, MAX_TALL_PIECES, 1),
                   (LONG_BACKWARD_PIECE, None, 1), (LONGEST_BACKWARD_PIECE, None, 1)]
-    columns_there = plans.next_power_of_2(int(n_inner))
     split = []
-    for (rows, run_bytes, warps), most, levels in pieces:
-        run = run_bytes // element_size
-        block_c = run if columns_there >= MIN_COLUMNS else min(run, columns_there)
-        block_r = rows * run // block_c
+    for piece, most, levels in pieces:
+        block_r, block_c, warps = _piece_block(piece, element_size, n_inner)
         plan = ColumnPlan(block_r, block_c, warps, segments=plans.cdiv(n_reduced, block_r), levels=levels)
         if (most is None or plan.segments <= most) and plan not in split:  # over narrow columns, long and longest meet
             split.append(plan)
     return split
 
 
-@functools.lru_cache(maxsize=recipes.MAX_RECIPES)
-def split_surely_fits(n_reduced: int, n_inner: int, element_size: int, n_inputs: int, device: torch.device) -> bool:
-    """Whether a group of the last plan of ``split_plans`` (the pieces for any length) fits the GPU together whatever
-    registers a build takes (``residency.assured_resident``; under the interpreter, as its splits fit), so that a
-    long dim with few columns splits."""
-    last = split_plans(n_reduced, element_size, n_inputs, n_inner)[-1]
-    if INTERPRET:
-        return residency.split_grid(last.segments, 1, residency.CPU_RESIDENT_PROGRAMS) > 0
-    return last.segments <= residency.assured_resident(last.num_warps, device)
+def _piece_block(piece: tuple[int, int, int], element_size: int, n_inner: int) -> tuple[int, int, int]:
+    """(rows, columns, warps) of a block of ``piece`` (rows, bytes of columns, warps): over fewer columns than its run
+    holds (and fewer than MIN_COLUMNS), as narrow as the columns and as much taller."""
+    rows, run_bytes, warps = piece
+    run = run_bytes // element_size
+    columns_there = plans.next_power_of_2(int(n_inner))
+    block_c = run if columns_there >= MIN_COLUMNS else min(run, columns_there)
+    return rows * run // block_c, block_c, warps
 
 
 def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -> ColumnPlan:
@@ -159,20 +155,15 @@ def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -
 
 
 def takes_columns(dim: int, *tensors: torch.Tensor) -> bool:
-    """Whether softmax over ``dim`` of these contiguous fp16/bf16/fp32 tensors runs down their columns, here: a dim
-    that is not the last and has neighbours (inner > 1: otherwise it is a contiguous row), held whole (as a forward
-    holds it), split where the GPU surely holds a group of its pieces, or walked by at least LOOPED_MIN_PROGRAMS
-    programs; and only where one outer index spans under 2**31 elements."""
+    """Whether softmax over ``dim`` of these contiguous tensors runs down their columns, here: a dim that is not the
+    last and has neighbours (inner > 1: otherwise it is a contiguous row), whose elements for one outer index number
+    under 2**31 (the kernels' offsets are 32-bit), and in fp64 (if any is) longer than turned tiles hold."""
     t = tensors[0]
-    if not (0 <= dim < t.ndim - 1 and all(u.is_contiguous() and u.dtype != torch.float64 for u in tensors)):
+    if not (0 <= dim < t.ndim - 1 and all(u.is_contiguous() for u in tensors)):
         return False
-    n_outer, n_reduced, n_inner = _sizes(t, dim)
-    fits_int32 = n_reduced * n_inner < 2**31  # the kernels' offsets within one outer index are 32-bit
-    element_size = max(u.element_size() for u in tensors)
-    return n_inner > 1 and fits_int32 and (
-        n_reduced <= held_length(n_inner, element_size, 1)
-        or n_outer * plans.cdiv(n_inner, LOOPED_COLUMNS) >= LOOPED_MIN_PROGRAMS
-        or split_surely_fits(n_reduced, n_inner, element_size, len(tensors), t.device))
+    _, n_reduced, n_inner = _sizes(t, dim)
+    short_fp64 = n_reduced <= TURNED_MAX_HELD_FP64 and any(u.dtype == torch.float64 for u in tensors)
+    return n_inner > 1 and n_reduced * n_inner < 2**31 and not short_fp64
 
 
 def _sizes(t: torch.Tensor, dim: int) -> tuple[int, int, int]:
@@ -211,52 +202,122 @@ def softmax_backward_column_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_inner, BL
 
 @triton.jit
 def column_chunk(base, start, c, n_reduced, n_inner, BLOCK_R: tl.constexpr):
-    """Offsets and mask of the BLOCK_R rows from ``start`` of a looped program's columns ``c``."""
+    """Offsets and mask of the BLOCK_R rows from ``start`` of a two-pass program's columns ``c``."""
     r = start + tl.arange(0, BLOCK_R)[:, None]
     return base + r * n_inner + c[None, :], (r < n_reduced) & (c[None, :] < n_inner)
 
 
 @triton.jit
-def softmax_column_looped_kernel(y_ptr, x_ptr, n_reduced, n_inner, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Forward for dims too long to hold: each program walks its columns down twice, BLOCK_R rows at a time. The first
-    walk keeps each column's running (m, d) (notebook 05's online softmax), the second writes exp(x - m) / d."""
-    pid = tl.program_id(0).to(tl.int64)
+def block_columns(group, n_reduced, n_inner, BLOCK_C: tl.constexpr):
+    """The 64-bit start of column block ``group``'s outer index, and the block's columns."""
     blocks = tl.cdiv(n_inner, BLOCK_C)
-    base, c = pid // blocks * n_reduced * n_inner, pid % blocks * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-    d = tl.zeros((BLOCK_C,), tl.float32)
-    for start in range(0, n_reduced, BLOCK_R):
+    return group.to(tl.int64) // blocks * n_reduced * n_inner, group % blocks * BLOCK_C + tl.arange(0, BLOCK_C)
+
+
+@triton.jit
+def column_statistics(x_ptr, base, c, first, end, n_reduced, n_inner, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Each column's running (m, d) over rows ``first`` to ``end``, BLOCK_R at a time (notebook 05's online softmax,
+    down the columns), in the compute dtype (fp64 for fp64)."""
+    m = upcast(tl.full((BLOCK_C,), float("-inf"), x_ptr.dtype.element_ty))
+    d = tl.zeros_like(m)
+    for start in range(first, end, BLOCK_R):
         offsets, mask = column_chunk(base, start, c, n_reduced, n_inner, BLOCK_R)
         x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         d = d * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe[None, :]) * LOG2E), axis=0)
         m = m_new
-    m = tl.where(m == float("-inf"), 0.0, m)
+    return m, d
+
+
+@triton.jit
+def column_finish(y_ptr, x_ptr, base, c, first, end, n_reduced, n_inner, m, d, BLOCK_R: tl.constexpr):
+    """y = exp(x - m) / d over rows ``first`` to ``end``, from the last block (what STATISTICS read last, L2 holds
+    first)."""
+    m = tl.where(m == float("-inf"), 0.0, m)  # a column of -inf: exp gives 0s, and 0 / 0 the NaNs torch gives
     d_inverse = 1.0 / d
-    for start in range(0, n_reduced, BLOCK_R):
-        offsets, mask = column_chunk(base, start, c, n_reduced, n_inner, BLOCK_R)
+    steps = tl.cdiv(end - first, BLOCK_R)
+    for step in range(steps):
+        offsets, mask = column_chunk(base, first + (steps - 1 - step) * BLOCK_R, c, n_reduced, n_inner, BLOCK_R)
         x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
         tl.store(y_ptr + offsets, tl.exp2((x - m[None, :]) * LOG2E) * d_inverse[None, :], mask=mask)
 
 
 @triton.jit
-def softmax_backward_column_looped_kernel(dx_ptr, y_ptr, dy_ptr, n_reduced, n_inner, BLOCK_R: tl.constexpr,
-                                          BLOCK_C: tl.constexpr):
-    """Backward for dims too long to hold: a first walk sums y * dy down each column, a second writes dx."""
-    pid = tl.program_id(0).to(tl.int64)
-    blocks = tl.cdiv(n_inner, BLOCK_C)
-    base, c = pid // blocks * n_reduced * n_inner, pid % blocks * BLOCK_C + tl.arange(0, BLOCK_C)
-    s = tl.zeros((BLOCK_C,), tl.float32)
-    for start in range(0, n_reduced, BLOCK_R):
+def column_dot(y_ptr, dy_ptr, base, c, first, end, n_reduced, n_inner, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """Each column's sum of y * dy over rows ``first`` to ``end``, in the compute dtype (fp64 if either is)."""
+    zeros = tl.zeros((BLOCK_C,), tl.float32)
+    s = upcast(zeros.to(y_ptr.dtype.element_ty)) * upcast(zeros.to(dy_ptr.dtype.element_ty))
+    for start in range(first, end, BLOCK_R):
         offsets, mask = column_chunk(base, start, c, n_reduced, n_inner, BLOCK_R)
         y = upcast(tl.load(y_ptr + offsets, mask=mask, other=0.0))
         s += tl.sum(y * upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0)), axis=0)
-    for start in range(0, n_reduced, BLOCK_R):
-        offsets, mask = column_chunk(base, start, c, n_reduced, n_inner, BLOCK_R)
+    return s
+
+
+@triton.jit
+def column_backward_finish(dx_ptr, y_ptr, dy_ptr, base, c, first, end, n_reduced, n_inner, s,
+                           BLOCK_R: tl.constexpr):
+    """dx = y * (dy - s) over rows ``first`` to ``end``, from the last block."""
+    steps = tl.cdiv(end - first, BLOCK_R)
+    for step in range(steps):
+        offsets, mask = column_chunk(base, first + (steps - 1 - step) * BLOCK_R, c, n_reduced, n_inner, BLOCK_R)
         y = upcast(tl.load(y_ptr + offsets, mask=mask, other=0.0))
         dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
         tl.store(dx_ptr + offsets, y * (dy - s[None, :]), mask=mask)
+
+
+@triton.jit
+def chunk_of(n_reduced, n_inner, chunks, chunk_rows, PHASE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A two-pass program's chunk: its place (FINISH counts from the last, to re-read first what STATISTICS read
+    last), its block's start and columns, and its rows ``first`` to ``end``."""
+    program = tl.program_id(0)
+    if PHASE == FINISH:
+        program = tl.num_programs(0) - 1 - program
+    base, c = block_columns(program // chunks, n_reduced, n_inner, BLOCK_C)
+    first = program % chunks * chunk_rows
+    return program, base, c, first, tl.minimum(first + chunk_rows, n_reduced)
+
+
+@triton.jit
+def softmax_column_two_pass_kernel(y_ptr, x_ptr, m_ptr, d_ptr, n_reduced, n_inner, chunks, chunk_rows,
+                                   CHUNKS_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                   PHASE: tl.constexpr):
+    """Forward in two launches in which no program waits for another (``two_pass``'s, down the columns): ``chunks``
+    programs share a column block, each walking ``chunk_rows`` of its rows. STATISTICS stores each column's (m, d)
+    over the chunk; FINISH merges the block's partials and writes y over the chunk, reading x again."""
+    program, base, c, first, end = chunk_of(n_reduced, n_inner, chunks, chunk_rows, PHASE, BLOCK_C)
+    columns = tl.arange(0, BLOCK_C)
+    if PHASE == STATISTICS:
+        m, d = column_statistics(x_ptr, base, c, first, end, n_reduced, n_inner, BLOCK_R, BLOCK_C)
+        tl.store(m_ptr + program * BLOCK_C + columns, m)
+        tl.store(d_ptr + program * BLOCK_C + columns, d)
+    else:
+        parts = tl.arange(0, CHUNKS_POW2)[:, None]
+        slots = (program // chunks * chunks + parts) * BLOCK_C + columns[None, :]
+        real = parts < chunks
+        m, d = merge_partials(tl.load(m_ptr + slots, mask=real, other=float("-inf")),
+                              tl.load(d_ptr + slots, mask=real, other=0.0), real)
+        column_finish(y_ptr, x_ptr, base, c, first, end, n_reduced, n_inner, m, d, BLOCK_R)
+
+
+@triton.jit
+def softmax_backward_column_two_pass_kernel(dx_ptr, y_ptr, dy_ptr, s_ptr, n_reduced, n_inner, chunks, chunk_rows,
+                                            CHUNKS_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                            PHASE: tl.constexpr):
+    """Backward in two launches: STATISTICS stores each column's sum of y * dy over the chunk, FINISH adds up the
+    block's sums and writes dx = y * (dy - sum) over the chunk."""
+    program, base, c, first, end = chunk_of(n_reduced, n_inner, chunks, chunk_rows, PHASE, BLOCK_C)
+    columns = tl.arange(0, BLOCK_C)
+    if PHASE == STATISTICS:
+        s = column_dot(y_ptr, dy_ptr, base, c, first, end, n_reduced, n_inner, BLOCK_R, BLOCK_C)
+        tl.store(s_ptr + program * BLOCK_C + columns, s)
+    else:
+        parts = tl.arange(0, CHUNKS_POW2)[:, None]
+        slots = (program // chunks * chunks + parts) * BLOCK_C + columns[None, :]
+        s = tl.sum(tl.load(s_ptr + slots, mask=parts < chunks, other=0.0), axis=0)
+        column_backward_finish(dx_ptr, y_ptr, dy_ptr, base, c, first, end, n_reduced, n_inner, s, BLOCK_R)
 
 
 # Turned tiles: a dim held whole whose elements lie next to each other in one tensor and ``inner`` apart in another,
@@ -410,13 +471,16 @@ def turned_backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, 
 
 
 def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> recipes.Recipe:
-    """The launch of ``kernels`` (held, walked, split) on ``operands`` (output first), as ``column_plan`` says. A split
-    takes the first of ``split_plans`` whose programs fit the GPU together, whose pieces span under 2**31 elements
-    (their offsets are 32-bit) and which fills at least MIN_FILL of the GPU, else the first that fits; where none
-    fits, the dim is walked (or held, up to a forward's ``held_length``)."""
-    held, walked, split = kernels
+    """The launch of ``kernels`` (held, split, two-pass) on ``operands`` (output first): in two passes where an input
+    is fp64, else as ``column_plan`` says. A split takes the first of ``split_plans`` whose programs fit the GPU
+    together, whose pieces span under 2**31 elements (their offsets are 32-bit) and which fills at least MIN_FILL of
+    the GPU, else the first that fits; where none fits, the dim is held (up to a forward's ``held_length``), else
+    taken in two passes."""
+    held, split, two_passes = kernels
     n_outer, n_reduced, n_inner = _sizes(operands[0], dim)
     inputs = operands[1:]
+    if any(t.dtype == torch.float64 for t in inputs):
+        return _two_pass_recipe(two_passes, operands, n_outer, n_reduced, n_inner)
     element_size = max(t.element_size() for t in inputs)
     plan = column_plan(n_reduced, n_inner, element_size, len(inputs))
     if plan.segments > 1:
@@ -429,13 +493,12 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
         if first_fitting:
             return first_fitting[0]
     if plan.segments > 1 and n_reduced > held_length(n_inner, element_size, 1):
-        plan = WALKED
-    elif plan.segments > 1:
+        return _two_pass_recipe(two_passes, operands, n_outer, n_reduced, n_inner)
+    if plan.segments > 1:
         plan = _held_plan(n_reduced, n_inner, inputs[0].element_size(), len(inputs))
     grid = n_outer * plans.cdiv(n_inner, plan.block_c)
-    kernel = walked if plan.looped else held
-    return recipes.Recipe((), (recipes.Step(kernel, grid, (n_reduced, n_inner), dict(BLOCK_R=plan.block_r,
-                                                                                  BLOCK_C=plan.block_c),
+    return recipes.Recipe((), (recipes.Step(held, grid, (n_reduced, n_inner), dict(BLOCK_R=plan.block_r,
+                                                                                BLOCK_C=plan.block_c),
                                         plan.num_warps),))
 
 
@@ -469,13 +532,29 @@ def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n
     return recipe, running / min(resources.resident, plan.segments * n_groups)
 
 
+def _two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], n_outer: int, n_reduced: int,
+                     n_inner: int) -> recipes.Recipe:
+    """STATISTICS then FINISH of a two-pass ``kernel`` on ``operands`` (output first), in blocks of TWO_PASS_PIECE and
+    chunks of rows (MAX_COLUMN_CHUNKS); its partial buffers, (m, d) forward or sum(y * dy) backward, a word per column
+    of each chunk, follow the operands."""
+    block_r, block_c, warps = _piece_block(TWO_PASS_PIECE, max(t.element_size() for t in operands[1:]), n_inner)
+    chunk_rows = block_r * plans.cdiv(plans.cdiv(n_reduced, block_r), MAX_COLUMN_CHUNKS)
+    chunks = plans.cdiv(n_reduced, chunk_rows)
+    n_programs = n_outer * plans.cdiv(n_inner, block_c) * chunks
+    partials = recipes.Buffer(n_programs * block_c, two_pass.partials_dtype(operands))
+    constexprs = dict(CHUNKS_POW2=plans.next_power_of_2(chunks), BLOCK_R=block_r, BLOCK_C=block_c)
+    return recipes.Recipe((partials,) * (1 if len(operands) == 3 else 2), tuple(
+        recipes.Step(kernel, n_programs, (n_reduced, n_inner, chunks, chunk_rows), dict(constexprs, PHASE=phase.value),
+                     warps) for phase in (STATISTICS, FINISH)))
+
+
 def forward_recipe(y: torch.Tensor, x: torch.Tensor, dim: int) -> recipes.Recipe:
-    return _recipe((softmax_column_kernel, softmax_column_looped_kernel, softmax_column_split_kernel), (y, x), dim)
+    return _recipe((softmax_column_kernel, softmax_column_split_kernel, softmax_column_two_pass_kernel), (y, x), dim)
 
 
 def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, dim: int) -> recipes.Recipe:
-    return _recipe((softmax_backward_column_kernel, softmax_backward_column_looped_kernel,
-                    softmax_backward_column_split_kernel), (dx, y, dy), dim)
+    return _recipe((softmax_backward_column_kernel, softmax_backward_column_split_kernel,
+                    softmax_backward_column_two_pass_kernel), (dx, y, dy), dim)
 
 
 def launch_columns_forward(x: torch.Tensor, y: torch.Tensor, dim: int) -> None:

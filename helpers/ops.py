@@ -1,12 +1,12 @@
 """The public softmax ops: shape, dtype and stride handling around the kernels, and the autograd wrapper.
 
 Any rank and dim. Softmax over another dim than the last of contiguous tensors takes the column kernels
-(``helpers.columns``: held whole, split into pieces that exchange partials (``helpers.column_split``), or walked), and
-its output is laid out as its input. A dim held whole whose elements lie next to each other in the input but not in
-torch's output (channels-last activations over their channels), or the other way round (a transposed x over its last
-dim), takes turned tiles (``columns.takes_turned``). Otherwise the softmax dim is moved last and the rest flattened
-into rows, a view when strides allow it and a copy otherwise, and the output is fresh contiguous rows in the input's
-shape, contiguous as torch's (a copy where the dim was not last). Inputs are never written.
+(``helpers.columns``: held whole, split into pieces that exchange partials (``helpers.column_split``), or taken in
+two passes), and its output is laid out as its input. A dim held whole whose elements lie next to each other in the
+input but not in torch's output (channels-last activations over their channels), or the other way round (a transposed
+x over its last dim), takes turned tiles (``columns.takes_turned``). Otherwise the softmax dim is moved last and the
+rest flattened into rows, a view when strides allow it and a copy otherwise, and the output is fresh contiguous rows
+in the input's shape, contiguous as torch's (a copy where the dim was not last). Inputs are never written.
 """
 
 from __future__ import annotations

@@ -126,8 +126,8 @@ def spill_report() -> list[dict]:
                    split_rows.softmax_backward_split_kernel, two_pass.softmax_two_pass_kernel,
                    two_pass.softmax_backward_two_pass_kernel, columns.softmax_column_kernel,
                    columns.softmax_backward_column_kernel, column_split.softmax_column_split_kernel,
-                   column_split.softmax_backward_column_split_kernel, columns.softmax_column_looped_kernel,
-                   columns.softmax_backward_column_looped_kernel):
+                   column_split.softmax_backward_column_split_kernel, columns.softmax_column_two_pass_kernel,
+                   columns.softmax_backward_column_two_pass_kernel):
         for compiled in kernel.device_caches[torch.cuda.current_device()][0].values():
             compiled._init_handles()
             constants = {k[0] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()}

@@ -11,7 +11,7 @@ import helpers
 from helpers import columns, recipes, residency
 
 # (shape, dim): a short class dim, a dim of 1, an odd dim over odd columns, the longest dim held, a leading dim
-# the walk's running sum rounds once per chunk of LOOPED_ROWS: fp32 a little looser than TOLERANCE; the same for the
+# the two passes' running sum rounds once per block of rows: fp32 a little looser than TOLERANCE; the same for the
 # backward's sum of y * dy over a dim of 1101, whose rounding an element of dx near 0.03 saw at 1.5e-6 in one CPU run
 LONG_TOLERANCE = {**TOLERANCE, torch.float32: dict(atol=1e-6, rtol=1e-4)}
 LONG_BACKWARD_TOLERANCE = {**BACKWARD_TOLERANCE, torch.float32: dict(atol=1e-6, rtol=1e-4)}
@@ -56,22 +56,27 @@ def test_other_calls_keep_the_rows_path(make_input, dim):
     torch.testing.assert_close(helpers.softmax_forward(x, dim), torch.softmax(x, dim), **TOLERANCE[x.dtype])
 
 
-@pytest.mark.parametrize("surely_fits", [True, False])
-def test_long_dim_with_few_columns(monkeypatch, surely_fits):
-    """A dim too long to hold, with too few columns for LOOPED_MIN_PROGRAMS walkers, takes the columns where the GPU
-    surely holds a group of its last pieces (``split_surely_fits``), else the rows."""
-    if not surely_fits:
-        monkeypatch.setattr(columns, "split_surely_fits", lambda *args: False)
+@pytest.mark.parametrize("fits", [True, False], ids=["split", "two-pass"])
+def test_long_dim_with_few_columns(monkeypatch, fits):
+    """A dim too long to hold over few columns takes the columns whatever the GPU holds: split where a group of its
+    pieces fits the GPU together, else in two passes, whose chunks of rows give the GPU programs that the columns
+    alone would not."""
+    if not fits:
+        monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
+    monkeypatch.setattr(columns, "TWO_PASS_PIECE", (256, 128, 8))
     monkeypatch.setattr(recipes, "_recipes", {})
     x = randn(2, columns.MAX_HELD + 1, 40)
-    assert columns.takes_columns(1, x) == surely_fits
+    assert columns.takes_columns(1, x)
     y, expected = helpers.softmax_forward(x, 1), torch.softmax(x, 1)
     torch.testing.assert_close(y, expected, **LONG_TOLERANCE[torch.float32])
     dy = randn(*x.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(expected, dy, 1).double(), torch_backward(expected, dy, 1),
                                **LONG_BACKWARD_TOLERANCE[torch.float32])
     split = {"softmax_column_split_kernel", "softmax_backward_column_split_kernel"}
-    assert (launched() == split) == surely_fits
+    passes = {"softmax_column_two_pass_kernel", "softmax_backward_column_two_pass_kernel"}
+    assert launched() == (split if fits else passes)
+    if not fits:  # 2 outer indices x 2 column blocks x 5 chunks of 256 rows
+        assert {step.grid for recipe in recipes._recipes.values() for step in recipe.steps} == {20}
 
 
 @pytest.mark.parametrize("n_inner", [2, 3, 5, 8])
@@ -130,7 +135,7 @@ def test_plan(n_reduced, n_inner, element_size, n_inputs):
         rows, run_bytes, warps = columns.BACKWARD_PIECE  # a few pieces at most, here
         assert plan == columns.ColumnPlan(rows, run_bytes // element_size, warps, segments=-(-n_reduced // rows))
         return
-    assert plan.segments == 1 and not plan.looped
+    assert plan.segments == 1
     assert plan.block_r >= n_reduced and plan.block_r & (plan.block_r - 1) == 0  # the whole dim, a power of two
     long = n_reduced > columns.LONG_COLUMN // 2
     if n_inputs == 1:  # the forward computes in fp32 whatever the dtype: columns, not bytes
@@ -169,7 +174,7 @@ def test_split_plan(n_inputs, n_reduced, element_size, piece):
     plan = columns.column_plan(n_reduced, 4096, element_size, n_inputs)
     assert (plan.block_r, plan.block_c * element_size, plan.num_warps) == (rows, run_bytes, warps)
     assert plan.levels == (2 if piece == "TWO_LEVEL_PIECE" else 1)
-    assert (plan.segments - 1) * plan.block_r < n_reduced <= plan.segments * plan.block_r and not plan.looped
+    assert (plan.segments - 1) * plan.block_r < n_reduced <= plan.segments * plan.block_r
     plans = columns.split_plans(n_reduced, element_size, n_inputs)
     last = columns.FORWARD_PIECE if n_inputs == 1 else columns.LONGEST_BACKWARD_PIECE
     assert plans[0] == plan and (plans[-1].block_r, plans[-1].num_warps) == (last[0], last[2])
@@ -197,14 +202,14 @@ def test_split_takes_the_first_plan_that_fits(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fits, two_level_bytes, max_two_level_pieces", [
-    (True, 64, 5), (True, 8, 5), (True, 64, 4), (False, 64, 5)], ids=["split", "split-narrow", "split-long", "walked"])
+    (True, 64, 5), (True, 8, 5), (True, 64, 4), (False, 64, 5)],
+    ids=["split", "split-narrow", "split-long", "two-pass"])
 def test_long_dims(monkeypatch, dtype, fits, two_level_bytes, max_two_level_pieces):
     """A dim too long to hold is split among programs that exchange each column's partials, in pieces of 256 rows
-    here (5 pieces), or walked twice where those programs would not fit the GPU together. In fp32 the forward's
+    here (5 pieces), or taken in two passes where those programs would not fit the GPU together. In fp32 the forward's
     two-level merge gives each of the 5 programs 4 of 16 columns, or 1 of 2 columns to the first two and none to the
     others; with at most 4 short pieces it takes FORWARD_PIECE (256 rows here too), merged in one level, as 16 bits
     always do."""
-    monkeypatch.setattr(columns, "LOOPED_MIN_PROGRAMS", 1)  # small enough for the interpreter
     monkeypatch.setattr(columns, "FORWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(columns, "TWO_LEVEL_PIECE", (256, two_level_bytes, 4))
     monkeypatch.setattr(columns, "MAX_TWO_LEVEL_PIECES", max_two_level_pieces)
@@ -225,8 +230,38 @@ def test_long_dims(monkeypatch, dtype, fits, two_level_bytes, max_two_level_piec
                                **LONG_BACKWARD_TOLERANCE[dtype])
     assert dx.stride() == x.stride()
     split = {"softmax_column_split_kernel", "softmax_backward_column_split_kernel"}
-    walked = {"softmax_column_looped_kernel", "softmax_backward_column_looped_kernel"}
-    assert launched() == (split if fits else walked)
+    passes = {"softmax_column_two_pass_kernel", "softmax_backward_column_two_pass_kernel"}
+    assert launched() == (split if fits else passes)
+
+
+@pytest.mark.parametrize("shape, dim, max_chunks, chunks", [
+    ((2, columns.TURNED_MAX_HELD_FP64 + 77, 40), 1, columns.MAX_COLUMN_CHUNKS, 5),  # chunks of one block of 256 rows
+    ((2, columns.TURNED_MAX_HELD_FP64 + 77, 40), 1, 2, 2),  # chunks of 3 blocks, the last one shorter
+    ((3000, 3), 0, 4, 3),  # blocks as narrow as the columns (4 of a run's 16), 4 times taller: 3 chunks of 1024 rows
+])
+def test_fp64_long_dims_take_two_passes(monkeypatch, shape, dim, max_chunks, chunks):
+    """fp64 partials do not fit the split's packed words: an fp64 dim longer than turned tiles hold takes the columns
+    in two passes, computing in fp64, in chunks of several blocks where MAX_COLUMN_CHUNKS caps their count; the
+    backward with y in fp32 and dy in fp64 too."""
+    monkeypatch.setattr(columns, "TWO_PASS_PIECE", (256, 128, 8))
+    monkeypatch.setattr(columns, "MAX_COLUMN_CHUNKS", max_chunks)
+    monkeypatch.setattr(recipes, "_recipes", {})
+    x = randn(*shape, dtype=torch.float64)
+    x.select(dim + 1, 1).fill_(float("-inf"))  # a column of nothing but -inf: NaNs, as torch's
+    x.select(dim + 1, 2).select(dim, 7).fill_(float("nan"))
+    x.view(-1)[::11] = float("-inf")
+    assert columns.takes_columns(dim, x)
+    y, expected = helpers.softmax_forward(x, dim), torch.softmax(x, dim)
+    torch.testing.assert_close(y, expected, equal_nan=True, **TOLERANCE[torch.float64])
+    assert y.stride() == x.stride()
+    dy = randn(*shape, dtype=torch.float64, scale=1.0)
+    for y_in in (expected, expected.float()):
+        dx = helpers.softmax_backward(y_in, dy, dim)
+        assert dx.dtype == y_in.dtype and dx.stride() == x.stride()
+        torch.testing.assert_close(dx.double(), torch_backward(y_in, dy, dim), equal_nan=True,
+                                   **BACKWARD_TOLERANCE[y_in.dtype])
+    assert launched() == {"softmax_column_two_pass_kernel", "softmax_backward_column_two_pass_kernel"}
+    assert {step.ints[2] for recipe in recipes._recipes.values() for step in recipe.steps} == {chunks}
 
 
 @pytest.mark.parametrize("fits", [True, False], ids=["split", "held"])

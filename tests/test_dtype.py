@@ -67,10 +67,10 @@ def test_upcast_long_rows(monkeypatch, looped, dtype, two_pass, n_cols):
 
 
 @pytest.mark.parametrize("dtype", HALVES)
-@pytest.mark.parametrize("fits", [True, False], ids=["split", "walked"])
+@pytest.mark.parametrize("fits", [True, False], ids=["split", "two-pass"])
 def test_upcast_long_columns(monkeypatch, dtype, fits):
-    """A dim too long to hold, split among programs or walked twice (``test_columns.test_long_dims``'s pieces)."""
-    monkeypatch.setattr(columns, "LOOPED_MIN_PROGRAMS", 1)
+    """A dim too long to hold, split among programs or taken in two passes (``test_columns.test_long_dims``'s
+    pieces)."""
     monkeypatch.setattr(columns, "FORWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(recipes, "_recipes", {})
@@ -79,8 +79,8 @@ def test_upcast_long_columns(monkeypatch, dtype, fits):
     x = randn(2, columns.MAX_HELD + 77, 24, dtype=dtype)
     x[0, :, 3] = float("-inf")
     assert columns.takes_columns(1, x)
-    check_upcast(x, 1, dict(atol=1e-6, rtol=1e-4))  # the walk's running sum, as test_columns' LONG_TOLERANCE
-    kind = "split" if fits else "looped"
+    check_upcast(x, 1, dict(atol=1e-6, rtol=1e-4))  # the running sum, as test_columns' LONG_TOLERANCE
+    kind = "split" if fits else "two_pass"
     assert launched() == {f"softmax_column_{kind}_kernel", f"softmax_backward_column_{kind}_kernel"}
 
 

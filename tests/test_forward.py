@@ -53,11 +53,11 @@ def test_any_rank_and_dim(shape, dim):
 @pytest.mark.parametrize("shape, dim, dtype", [((1100, 40), 0, torch.float32), ((5, 7), 0, torch.float64),
                                               ((5, 7, 9), 1, torch.float64)])
 def test_contiguous_input_gives_torchs_layout(monkeypatch, shape, dim, dtype):
-    """Where the column kernels do not take the call (a long dim with few columns whose split the GPU may not hold,
-    fp64), the rows' result is copied back into torch's layout, contiguous as the input, and so is the gradient."""
-    monkeypatch.setattr(helpers.columns, "split_surely_fits", lambda *args: False)
+    """Where neither the column kernels nor turned tiles take the call, the rows' result is copied back into torch's
+    layout, contiguous as the input, and so is the gradient."""
+    monkeypatch.setattr(helpers.columns, "takes_columns", lambda *args: False)
+    monkeypatch.setattr(helpers.columns, "takes_turned", lambda *args: False)
     x = randn(*shape, dtype=dtype).requires_grad_()
-    assert not helpers.columns.takes_columns(dim, x)
     y = check_forward(x, dim)
     assert y.stride() == torch.softmax(x, dim).stride() == x.stride()
     y.backward(randn(*shape, dtype=dtype))

@@ -24,6 +24,7 @@ def forward_cases():
         (randn(7, 33, dtype=torch.bfloat16), 0, torch.bfloat16),
         (odd, 1, torch.float64),
         (odd.transpose(0, 2), 2, torch.float64),  # non-contiguous
+        (randn(2, 1100, 3, dtype=torch.float64), 1, torch.float64),  # fp64 down a long dim: two passes
         (randn(0, 9), -1, torch.float32),  # empty
         (randn(), 0, torch.float32),  # 0-d: one row of one element
         (randn(7, 33, dtype=torch.float16), -1, torch.float32),  # upcast as loaded: rows and columns
@@ -96,15 +97,13 @@ def test_eager_operators_where_a_traced_plan_would_not_hold(looped):
 
 
 @pytest.mark.parametrize("dim", [-1, 0])
-def test_compiled_growing_length(monkeypatch, looped, dim):
+def test_compiled_growing_length(looped, dim):
     """A softmax dim that grows call by call, as the scores of a decode loop's attention do, under
     torch.compile(fullgraph=True): torch.compile traces the length as a symbol from its second value on, and the
     call then runs as the opaque eager operator, so the graphs compiled stay few (torch.compile refuses a ninth, and
     fullgraph then fails) while forward and backward match eager at every length. Rows (tile and split, ``looped``'s
     pieces) and columns, on CPU through AOTAutograd's eager backend (the GPU test: Inductor). Three columns are held
-    up to 8192 elements (``columns.held_length``); longer ones here take the rows, as where the GPU may not hold
-    their split."""
-    monkeypatch.setattr(helpers.columns, "split_surely_fits", lambda *args: False)
+    up to 8192 elements (``columns.held_length``); longer ones are split, or taken in two passes."""
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(lambda x: helpers.softmax(x * 0.5, dim), backend="aot_eager", fullgraph=True)
@@ -117,9 +116,8 @@ def test_compiled_growing_length(monkeypatch, looped, dim):
         expected = torch.softmax(x.detach().double() * 0.5, dim)
         torch.testing.assert_close(y, expected.float())
         torch.testing.assert_close(dx, torch_backward(expected, dy, dim).float() * 0.5)
-    # The first length's graph, then one for every length after, whichever path a length takes: a dim too long to hold
-    # (with too few columns to walk, and a split the GPU may not hold) takes the rows, and the traced call asks no plan
-    # of the symbol, so crossing that length compiles nothing new.
+    # The first length's graph, then one for every length after, whichever kernel a length takes: the traced call asks
+    # no plan of the symbol, so crossing the longest held length compiles nothing new.
     assert dim == -1 or any(n > helpers.columns.held_length(3, 4, 1) for n in lengths[1:])
     assert counters["stats"]["unique_graphs"] == 2, counters["stats"]
 
@@ -201,9 +199,10 @@ def test_model_trains_like_torch_softmax():
 
 
 # torch.compile over every kernel shape: a tile (1000), splits (50257, 131072; bf16 65536, whose forward's plan caps
-# its registers, and fp32 131072's backward: opaque operators), the two-pass kernels (2**22 + 3) and a split down the
-# columns of a dim of 3000, forward and backward, in a subprocess whose timeout fails the test if a launch waits
-# forever. Under CUDA graphs an opaque operator runs in the graph's memory pool and must leave no buffer there.
+# its registers, and fp32 131072's backward: opaque operators), the two-pass kernels (2**22 + 3), a split down the
+# columns of a dim of 3000 and two passes down them in fp64, forward and backward, in a subprocess whose timeout fails
+# the test if a launch waits forever. Under CUDA graphs an opaque operator runs in the graph's memory pool and must
+# leave no buffer there.
 COMPILED_ROWS = r"""
 import sys
 import torch
@@ -219,7 +218,8 @@ CASES = [((1000,), -1, torch.float32, "softmax_tile_kernel"), ((50257,), -1, tor
          ((131072,), -1, torch.float32, "softmax_split_kernel"),
          ((65536,), -1, torch.bfloat16, "softmax_course.softmax_eager"),
          ((2**22 + 3,), -1, torch.float32, "softmax_two_pass_kernel"),
-         ((3000, 2048), 1, torch.float32, "softmax_column_split_kernel")]
+         ((3000, 2048), 1, torch.float32, "softmax_column_split_kernel"),
+         ((3000, 512), 1, torch.float64, "softmax_column_two_pass_kernel")]
 
 
 for shape, dim, dtype, kernel in CASES:
@@ -236,8 +236,9 @@ for shape, dim, dtype, kernel in CASES:
         for _ in range(3):  # CUDA graphs record on a later call than the first, then replay
             y = compiled(x)
             (dx,) = torch.autograd.grad(y, x, dy)
-        torch.testing.assert_close(y, expected, atol=1e-7, rtol=1e-5 if dtype == torch.float32 else 1e-2)
-        torch.testing.assert_close(dx, expected_dx, atol=1e-7, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+        rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(y, expected, atol=1e-7, rtol=rtol)
+        torch.testing.assert_close(dx, expected_dx, atol=1e-7, rtol=rtol)
     if mode == "default":  # Inductor's code launches the course's kernel for this shape
         torch._dynamo.reset()
         _, (code, *_) = run_and_get_code(torch.compile(scaled_softmax, fullgraph=True), x.detach())
@@ -250,7 +251,7 @@ for shape, dim, dtype, kernel in CASES:
 @pytest.mark.parametrize("mode", ["default", "dynamic", "cuda-graphs"])
 def test_compiled_every_row_length(mode):
     stdout = run_with_timeout(COMPILED_ROWS, mode, timeout=600)
-    assert stdout.count(" ok") == 6, stdout
+    assert stdout.count(" ok") == 7, stdout
 
 
 # A row length that grows call by call through every kernel a length takes: tiles, splits (bf16 65536's forward and
