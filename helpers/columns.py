@@ -548,6 +548,13 @@ def _two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], n_outer: int, n
                      warps) for phase in (STATISTICS, FINISH)))
 
 
+def in_two_passes(operands: tuple[torch.Tensor, ...], dim: int) -> bool:
+    """Whether the column launch on ``operands`` (y and x, or dx, y and dy) takes two passes (``_recipe``)."""
+    build = forward_recipe if len(operands) == 2 else backward_recipe
+    kernel = recipes.recipe_for(build, operands, dim).steps[0].kernel
+    return kernel in (softmax_column_two_pass_kernel, softmax_backward_column_two_pass_kernel)
+
+
 def forward_recipe(y: torch.Tensor, x: torch.Tensor, dim: int) -> recipes.Recipe:
     return _recipe((softmax_column_kernel, softmax_column_split_kernel, softmax_column_two_pass_kernel), (y, x), dim)
 

@@ -138,6 +138,8 @@ def _forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         return _eager_softmax_op(x, dim, dtype)  # traced, and best run by the eager launch (below)
     if columns.takes_columns(dim, x):
         y = _in_torch_layout(_new_output(x, dtype=dtype))
+        if not recipes.plain((x,)) and columns.in_two_passes((y, x), dim):
+            return _eager_softmax_op(x, dim, dtype)  # traced: opaque (below)
         columns.launch_columns_forward(x, y, dim)
         return y
     if columns.takes_turned(dim, x):
@@ -158,6 +160,8 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -
         return _eager_softmax_backward_op(y, dy, dim, dtype)
     if columns.takes_columns(dim, y, dy):
         dx = _in_torch_layout(_new_output(y, dtype=dtype))
+        if not recipes.plain((y, dy)) and columns.in_two_passes((dx, y, dy), dim):
+            return _eager_softmax_backward_op(y, dy, dim, dtype)
         columns.launch_columns_backward(y, dy, dx, dim)
         return dx
     if columns.takes_turned(dim, y, dy):
@@ -174,7 +178,7 @@ _softmax_op = _operator("softmax_course::softmax", _forward)
 _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 
 
-# Two kinds of traced call are recorded as opaque operators that run the eager launch, rather than as the kernels:
+# Three kinds of traced call are recorded as opaque operators that run the eager launch, rather than as the kernels:
 # - A size or stride that torch.compile traces as a symbol (dynamic shapes: dynamic=True, or a length that changed
 #   between calls). A plan is made for numbers, so planning would fix the graph to one length and compile another at
 #   the next (a decode loop's growing scores, and torch.compile gives up after 8). Opaque, one graph takes every length.
@@ -182,6 +186,9 @@ _softmax_backward_op = _operator("softmax_course::softmax_backward", _backward)
 #   user's Triton kernel with its num_warps and num_stages only, so the pieces would compile uncapped, step down to
 #   narrower ones and run up to 0.04 of copy slower (results/README.md, "Under torch.compile the register caps would
 #   be lost").
+# - Columns in two passes (``columns.in_two_passes``). Traced with its backward, a model whose forward and backward
+#   each launch the two-pass column kernels failed to compile under torch 2.11 with Triton 3.9 (its partitioner:
+#   "Node ... was invalid, but is output"), though either direction alone compiled, as did the two-pass rows.
 # The choice is made in the operators' bodies, where a traced size is a number or visibly a symbol: to Dynamo, which
 # runs ``softmax`` itself, every SymInt is an int.
 def _output_like(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

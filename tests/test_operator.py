@@ -96,6 +96,23 @@ def test_eager_operators_where_a_traced_plan_would_not_hold(looped):
     torch.testing.assert_close(dx, expected)
 
 
+def test_traced_columns_in_two_passes_run_eager(monkeypatch):
+    """A traced call down the columns is recorded as its kernels where it is held or split, and as the opaque eager
+    operators where it takes two passes (fp64 past what turned tiles hold, or a split that does not fit): traced with
+    its backward under torch 2.11 and Triton 3.9, the two-pass kernels failed to compile (``ops``)."""
+    forward, backward = helpers.ops._forward, helpers.ops._backward
+    x = randn(2, helpers.columns.TURNED_MAX_HELD_FP64 + 76, 3, dtype=torch.float64)
+    y = torch.softmax(x, 1)
+    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x)
+    assert "softmax_course.softmax_backward_eager.default" in traced_operators(
+        lambda y, dy: backward(y, dy, 1, y.dtype), "fake", y, y)
+    x32 = randn(2, helpers.columns.MAX_HELD + 76, 40)
+    assert not any("eager" in op for op in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x32))  # split
+    monkeypatch.setattr(helpers.recipes, "_recipes", {})
+    monkeypatch.setattr(helpers.residency, "split_grid", lambda *args: 0)  # no split fits: two passes
+    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x32)
+
+
 @pytest.mark.parametrize("dim", [-1, 0])
 def test_compiled_growing_length(looped, dim):
     """A softmax dim that grows call by call, as the scores of a decode loop's attention do, under
@@ -200,9 +217,9 @@ def test_model_trains_like_torch_softmax():
 
 # torch.compile over every kernel shape: a tile (1000), splits (50257, 131072; bf16 65536, whose forward's plan caps
 # its registers, and fp32 131072's backward: opaque operators), the two-pass kernels (2**22 + 3), a split down the
-# columns of a dim of 3000 and two passes down them in fp64, forward and backward, in a subprocess whose timeout fails
-# the test if a launch waits forever. Under CUDA graphs an opaque operator runs in the graph's memory pool and must
-# leave no buffer there.
+# columns of a dim of 3000 and two passes down them in fp64 (opaque too), forward and backward, in a subprocess whose
+# timeout fails the test if a launch waits forever. Under CUDA graphs an opaque operator runs in the graph's memory
+# pool and must leave no buffer there.
 COMPILED_ROWS = r"""
 import sys
 import torch
@@ -219,7 +236,7 @@ CASES = [((1000,), -1, torch.float32, "softmax_tile_kernel"), ((50257,), -1, tor
          ((65536,), -1, torch.bfloat16, "softmax_course.softmax_eager"),
          ((2**22 + 3,), -1, torch.float32, "softmax_two_pass_kernel"),
          ((3000, 2048), 1, torch.float32, "softmax_column_split_kernel"),
-         ((3000, 512), 1, torch.float64, "softmax_column_two_pass_kernel")]
+         ((3000, 512), 1, torch.float64, "softmax_course.softmax_eager")]
 
 
 for shape, dim, dtype, kernel in CASES:
