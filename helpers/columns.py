@@ -6,7 +6,8 @@ power of two) in registers, so it reads its input once and writes its output onc
 transpose copy, and the output comes out contiguous, as torch's does. Neighbouring columns are neighbours in memory,
 so each of a program's R rows is one contiguous run of BLOCK_C elements. A dim too long to hold is split among
 programs that exchange each column's partials, as ``fused``'s split rows do, or, where those programs would not fit
-the GPU together (and in fp64), taken in two launches as ``two_pass`` takes rows: chunks of its rows reduced to
+the GPU together (or, forward, not keep it full for long: ``SplitLaunch.pays_forward``) and in fp64, taken in two
+launches as ``two_pass`` takes rows: chunks of its rows reduced to
 partials, then merged and finished (notebook 05's online softmax, down the columns). Notebook 09's column exercise is
 the small version of these kernels.
 """
@@ -76,6 +77,13 @@ MAX_COLUMN_CHUNKS = 128
 # way to the next plan that fills more: one group of 79 tall pieces leaves 53 of an H100's 132 SMs idle, where long
 # pieces run three groups of 40.
 MIN_FILL = 2 / 3
+# A forward split pays for its exchange only where it keeps the GPU full through several rounds of column blocks: one
+# that runs under FORWARD_MIN_FILL of the programs the GPU holds, or whose column blocks take fewer than
+# FORWARD_MIN_ROUNDS rounds of the groups that run at once, takes two passes instead (dim 0 of (100000, 64) fp32: 0.49
+# of copy against 0.35). The backward's split stays ahead of its two passes even in one round (results/README.md,
+# "Over few columns").
+FORWARD_MIN_FILL = 0.9
+FORWARD_MIN_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -474,8 +482,8 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
     """The launch of ``kernels`` (held, split, two-pass) on ``operands`` (output first): in two passes where an input
     is fp64, else as ``column_plan`` says. A split takes the first of ``split_plans`` whose programs fit the GPU
     together, whose pieces span under 2**31 elements (their offsets are 32-bit) and which fills at least MIN_FILL of
-    the GPU, else the first that fits; where none fits, the dim is held (up to a forward's ``held_length``), else
-    taken in two passes."""
+    the GPU, else the first that fits; a forward split that does not pay (``SplitLaunch.pays_forward``) takes two
+    passes; where none fits, the dim is held (up to a forward's ``held_length``), else taken in two passes."""
     held, split, two_passes = kernels
     n_outer, n_reduced, n_inner = _sizes(operands[0], dim)
     inputs = operands[1:]
@@ -484,14 +492,15 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
     element_size = max(t.element_size() for t in inputs)
     plan = column_plan(n_reduced, n_inner, element_size, len(inputs))
     if plan.segments > 1:
-        first_fitting = None
+        chosen = None
         for candidate in split_plans(n_reduced, element_size, len(inputs), n_inner):
             found = _split_recipe(split, operands, candidate, n_outer, n_reduced, n_inner)
-            if found and found[1] >= MIN_FILL:
-                return found[0]
-            first_fitting = first_fitting or found
-        if first_fitting:
-            return first_fitting[0]
+            if found and found.fill >= MIN_FILL:
+                chosen = found
+                break
+            chosen = chosen or found
+        if chosen and (len(inputs) == 2 or chosen.pays_forward()):
+            return chosen.recipe
     if plan.segments > 1 and n_reduced > held_length(n_inner, element_size, 1):
         return _two_pass_recipe(two_passes, operands, n_outer, n_reduced, n_inner)
     if plan.segments > 1:
@@ -502,9 +511,20 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
                                         plan.num_warps),))
 
 
+@dataclass(frozen=True)
+class SplitLaunch:
+    recipe: recipes.Recipe
+    fill: float  # the share of the programs the GPU holds (or of the pieces, where there are fewer) that it runs
+    rounds: float  # column blocks over the groups that run at once
+
+    def pays_forward(self) -> bool:
+        """Whether a forward split beats two passes here (FORWARD_MIN_FILL, FORWARD_MIN_ROUNDS)."""
+        return self.fill >= FORWARD_MIN_FILL and self.rounds >= FORWARD_MIN_ROUNDS
+
+
 def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n_outer: int, n_reduced: int,
-                  n_inner: int) -> tuple[recipes.Recipe, float] | None:
-    """The launch of the ``split`` kernel in ``plan`` and the share of the GPU it fills (``MIN_FILL``), or None where
+                  n_inner: int) -> SplitLaunch | None:
+    """The launch of the ``split`` kernel in ``plan``, with the share of the GPU it fills and its rounds, or None where
     its programs do not fit the GPU together or a piece spans 2**31 elements."""
     if plan.block_r * n_inner >= 2**31:
         return None
@@ -529,7 +549,8 @@ def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n
     if recipe is None:
         return None
     running = residency.split_grid(plan.segments, n_groups, resources.resident, resources.assured)
-    return recipe, running / min(resources.resident, plan.segments * n_groups)
+    return SplitLaunch(recipe, running / min(resources.resident, plan.segments * n_groups),
+                       n_groups / (running // plan.segments))
 
 
 def _two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], n_outer: int, n_reduced: int,

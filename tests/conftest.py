@@ -104,6 +104,13 @@ def assert_path(path: str, dim: int, *tensors: torch.Tensor) -> None:
     assert (t.ndim > 0 and t.shape[dim] > helpers.columns.MAX_HELD) == (path == "split-columns")
 
 
+def split_forward_wherever_it_fits(monkeypatch) -> None:
+    """The column forward's split on shapes too small for it to pay (``columns.SplitLaunch.pays_forward``): its
+    pieces and merges."""
+    monkeypatch.setattr(helpers.columns, "FORWARD_MIN_FILL", 0)
+    monkeypatch.setattr(helpers.columns, "FORWARD_MIN_ROUNDS", 0)
+
+
 def launched() -> set[str]:
     """The kernels of the launches planned in this test (a test that asks starts with ``recipes._recipes`` empty)."""
     return {step.kernel.fn.__name__ for recipe in helpers.recipes._recipes.values() for step in recipe.steps}

@@ -5,7 +5,17 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, DTYPES, ON_GPU, TOLERANCE, launched, randn, run_with_timeout, torch_backward
+from conftest import (
+    BACKWARD_TOLERANCE,
+    DTYPES,
+    ON_GPU,
+    TOLERANCE,
+    launched,
+    randn,
+    run_with_timeout,
+    split_forward_wherever_it_fits,
+    torch_backward,
+)
 
 import helpers
 from helpers import columns, recipes, residency
@@ -61,6 +71,7 @@ def test_long_dim_with_few_columns(monkeypatch, fits):
     """A dim too long to hold over few columns takes the columns whatever the GPU holds: split where a group of its
     pieces fits the GPU together, else in two passes, whose chunks of rows give the GPU programs that the columns
     alone would not."""
+    split_forward_wherever_it_fits(monkeypatch)
     if not fits:
         monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     monkeypatch.setattr(columns, "TWO_PASS_PIECE", (256, 128, 8))
@@ -105,6 +116,7 @@ def test_narrow_columns(n_inner, element_size, n_inputs):
 def test_narrow_column_values(monkeypatch, dtype, n_reduced):
     """Two columns: held blocks of two columns, tall pieces of two (in fp32 at 20000, merged in two levels with one
     column for the first two programs to merge and none for the rest), each with torch's values."""
+    split_forward_wherever_it_fits(monkeypatch)
     monkeypatch.setattr(recipes, "_recipes", {})
     x = randn(2, n_reduced, 2, dtype=dtype)
     x[1, :, 0] = float("-inf")
@@ -215,6 +227,7 @@ def test_long_dims(monkeypatch, dtype, fits, two_level_bytes, max_two_level_piec
     monkeypatch.setattr(columns, "MAX_TWO_LEVEL_PIECES", max_two_level_pieces)
     monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(recipes, "_recipes", {})
+    split_forward_wherever_it_fits(monkeypatch)
     if not fits:
         monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     x = randn(2, columns.MAX_HELD + 77, 40, dtype=dtype)
@@ -296,6 +309,31 @@ def test_split_that_leaves_the_gpu_idle_gives_way(monkeypatch):
                                **LONG_BACKWARD_TOLERANCE[torch.float32])
     (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1]]
     assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"]) == (128, 5)
+
+
+@pytest.mark.parametrize("n_inner, resident, takes_split", [(130, 10, True), (40, 10, False), (130, 12, False)],
+                         ids=["five-rounds", "two-rounds", "two-idle"])
+def test_forward_split_only_where_it_pays(monkeypatch, n_inner, resident, takes_split):
+    """A forward split runs only where it keeps the GPU full through FORWARD_MIN_ROUNDS rounds of its column blocks,
+    else two passes. Here 5 pieces of 256 rows a block of 32 columns, on a GPU that holds 10 programs whatever their
+    registers, run 2 groups at once: 10 column blocks take 5 rounds, 4 take 2; where the GPU holds 12, the 2 groups
+    leave 2 idle (under FORWARD_MIN_FILL). The backward's split, of 9 pieces of 128 rows, runs in every case."""
+    monkeypatch.setattr(recipes, "_recipes", {})
+    resources = residency.compiled_resources
+    monkeypatch.setattr(residency, "compiled_resources",
+                        lambda *args: dataclasses.replace(resources(*args), resident=resident, assured=resident))
+    x = randn(2, columns.MAX_HELD + 77, n_inner)
+    y, expected = helpers.softmax_forward(x, 1), torch.softmax(x, 1)
+    torch.testing.assert_close(y, expected, **LONG_TOLERANCE[torch.float32])
+    dy = randn(*x.shape, scale=1.0)
+    torch.testing.assert_close(helpers.softmax_backward(expected, dy, 1).double(), torch_backward(expected, dy, 1),
+                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+    forward = "softmax_column_split_kernel" if takes_split else "softmax_column_two_pass_kernel"
+    assert launched() == {forward, "softmax_backward_column_split_kernel"}
+    first_steps = {recipe.steps[0].kernel.fn.__name__: recipe.steps[0] for recipe in recipes._recipes.values()}
+    assert first_steps["softmax_backward_column_split_kernel"].constexprs["SEGMENTS"] == 9
+    if takes_split:
+        assert first_steps[forward].constexprs["SEGMENTS"] == 5
 
 
 # A GPU subprocess: the backward over dim 0 of a (32768, 4096) fp32 tensor, against torch. On a GPU of at least 128

@@ -4,7 +4,15 @@ x's dtype; other casts go through ``x.to(dtype)``."""
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, DTYPES, TOLERANCE, launched, randn, torch_backward
+from conftest import (
+    BACKWARD_TOLERANCE,
+    DTYPES,
+    TOLERANCE,
+    launched,
+    randn,
+    split_forward_wherever_it_fits,
+    torch_backward,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import helpers
@@ -74,6 +82,7 @@ def test_upcast_long_columns(monkeypatch, dtype, fits):
     monkeypatch.setattr(columns, "FORWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(recipes, "_recipes", {})
+    split_forward_wherever_it_fits(monkeypatch)
     if not fits:
         monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     x = randn(2, columns.MAX_HELD + 77, 24, dtype=dtype)

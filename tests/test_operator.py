@@ -6,7 +6,7 @@ On a GPU the ops are triton_ops that torch.compile traces into; under Triton's i
 
 import pytest
 import torch
-from conftest import ON_GPU, randn, run_with_timeout, torch_backward, traced_by_torch
+from conftest import ON_GPU, randn, run_with_timeout, split_forward_wherever_it_fits, torch_backward, traced_by_torch
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -98,8 +98,9 @@ def test_eager_operators_where_a_traced_plan_would_not_hold(looped):
 
 def test_traced_columns_in_two_passes_run_eager(monkeypatch):
     """A traced call down the columns is recorded as its kernels where it is held or split, and as the opaque eager
-    operators where it takes two passes (fp64 past what turned tiles hold, or a split that does not fit): traced with
-    its backward under torch 2.11 and Triton 3.9, the two-pass kernels failed to compile (``ops``)."""
+    operators where it takes two passes (fp64 past what turned tiles hold, a split that does not fit, or a forward
+    split that would not pay): traced with its backward under torch 2.11 and Triton 3.9, the two-pass kernels failed to
+    compile (``ops``)."""
     forward, backward = helpers.ops._forward, helpers.ops._backward
     x = randn(2, helpers.columns.TURNED_MAX_HELD_FP64 + 76, 3, dtype=torch.float64)
     y = torch.softmax(x, 1)
@@ -107,6 +108,9 @@ def test_traced_columns_in_two_passes_run_eager(monkeypatch):
     assert "softmax_course.softmax_backward_eager.default" in traced_operators(
         lambda y, dy: backward(y, dy, 1, y.dtype), "fake", y, y)
     x32 = randn(2, helpers.columns.MAX_HELD + 76, 40)
+    assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x32)
+    monkeypatch.setattr(helpers.recipes, "_recipes", {})
+    split_forward_wherever_it_fits(monkeypatch)
     assert not any("eager" in op for op in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x32))  # split
     monkeypatch.setattr(helpers.recipes, "_recipes", {})
     monkeypatch.setattr(helpers.residency, "split_grid", lambda *args: 0)  # no split fits: two passes
