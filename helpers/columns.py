@@ -6,7 +6,7 @@ power of two) in registers, so it reads its input once and writes its output onc
 transpose copy, and the output comes out contiguous, as torch's does. Neighbouring columns are neighbours in memory,
 so each of a program's R rows is one contiguous run of BLOCK_C elements. A dim too long to hold is split among
 programs that exchange each column's partials, as ``fused``'s split rows do, or, where those programs would not fit
-the GPU together (or, forward, not keep it full for long: ``SplitLaunch.pays_forward``) and in fp64, taken in two
+the GPU together (or would not pay for their exchange: ``SplitLaunch.pays``) and in fp64, taken in two
 launches as ``two_pass`` takes rows: chunks of its rows reduced to
 partials, then merged and finished (notebook 05's online softmax, down the columns). Notebook 09's column exercise is
 the small version of these kernels.
@@ -77,13 +77,16 @@ MAX_COLUMN_CHUNKS = 128
 # way to the next plan that fills more: one group of 79 tall pieces leaves 53 of an H100's 132 SMs idle, where long
 # pieces run three groups of 40.
 MIN_FILL = 2 / 3
-# A forward split pays for its exchange only where it keeps the GPU full through several rounds of column blocks: one
-# that runs under FORWARD_MIN_FILL of the programs the GPU holds, or whose column blocks take fewer than
-# FORWARD_MIN_ROUNDS rounds of the groups that run at once, takes two passes instead (dim 0 of (100000, 64) fp32: 0.485
-# of copy against 0.346). The backward's split, ahead of its two passes at 26 of 37 shapes and behind at the rest with
-# no rule of rounds and fill between them, is taken wherever it fits (results/README.md, "Over few columns").
-FORWARD_MIN_FILL = 0.9
+# A split pays for its exchange only where it keeps the GPU busy. A forward one that runs under FULL_FILL of the
+# programs the GPU holds, or whose column blocks take fewer than FORWARD_MIN_ROUNDS rounds of the groups that run at
+# once, takes two passes instead (dim 0 of (100000, 64) fp32: 0.485 of copy against 0.346). A backward one is taken
+# wherever it fits, but for pieces of 32-byte runs (LONGEST_BACKWARD_PIECE, across full-width blocks) that run under
+# FULL_FILL through more than LONGEST_MAX_ROUNDS rounds: 98 of them leave a quarter of an H100 idle, round after round,
+# where two passes fill it (dim 0 of (100000, 512) fp32: 0.53 of copy against 0.42). Both rules: results/README.md,
+# "Over few columns".
+FULL_FILL = 0.9
 FORWARD_MIN_ROUNDS = 4
+LONGEST_MAX_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -482,8 +485,8 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
     """The launch of ``kernels`` (held, split, two-pass) on ``operands`` (output first): in two passes where an input
     is fp64, else as ``column_plan`` says. A split takes the first of ``split_plans`` whose programs fit the GPU
     together, whose pieces span under 2**31 elements (their offsets are 32-bit) and which fills at least MIN_FILL of
-    the GPU, else the first that fits; a forward split that does not pay (``SplitLaunch.pays_forward``) takes two
-    passes; where none fits, the dim is held (up to a forward's ``held_length``), else taken in two passes."""
+    the GPU, else the first that fits; a split that does not pay (``SplitLaunch.pays``) takes two passes; where none
+    fits, the dim is held (up to a forward's ``held_length``), else taken in two passes."""
     held, split, two_passes = kernels
     n_outer, n_reduced, n_inner = _sizes(operands[0], dim)
     inputs = operands[1:]
@@ -499,7 +502,7 @@ def _recipe(kernels: tuple, operands: tuple[torch.Tensor, ...], dim: int) -> rec
                 chosen = found
                 break
             chosen = chosen or found
-        if chosen and (len(inputs) == 2 or chosen.pays_forward()):
+        if chosen and chosen.pays():
             return chosen.recipe
     if plan.segments > 1 and n_reduced > held_length(n_inner, element_size, 1):
         return _two_pass_recipe(two_passes, operands, n_outer, n_reduced, n_inner)
@@ -516,10 +519,16 @@ class SplitLaunch:
     recipe: recipes.Recipe
     fill: float  # the share of the programs the GPU holds (or of the pieces, where there are fewer) that it runs
     rounds: float  # column blocks over the groups that run at once
+    backward: bool
+    short_runs: bool  # pieces of LONGEST_BACKWARD_PIECE's runs, across blocks as wide as a run
 
-    def pays_forward(self) -> bool:
-        """Whether a forward split beats two passes here (FORWARD_MIN_FILL, FORWARD_MIN_ROUNDS)."""
-        return self.fill >= FORWARD_MIN_FILL and self.rounds >= FORWARD_MIN_ROUNDS
+    def pays(self) -> bool:
+        """Whether the split beats two passes here: a forward one keeps FULL_FILL of the GPU busy through
+        FORWARD_MIN_ROUNDS rounds or more; a backward one of short runs keeps FULL_FILL busy, or takes at most
+        LONGEST_MAX_ROUNDS rounds."""
+        if self.backward:
+            return not self.short_runs or self.fill >= FULL_FILL or self.rounds <= LONGEST_MAX_ROUNDS
+        return self.fill >= FULL_FILL and self.rounds >= FORWARD_MIN_ROUNDS
 
 
 def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n_outer: int, n_reduced: int,
@@ -549,8 +558,11 @@ def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n
     if recipe is None:
         return None
     running = residency.split_grid(plan.segments, n_groups, resources.resident, resources.assured)
+    element_size = max(t.element_size() for t in operands[1:])
+    short_runs = (plan.block_c * element_size <= LONGEST_BACKWARD_PIECE[1]
+                  and plans.next_power_of_2(n_inner) >= MIN_COLUMNS)
     return SplitLaunch(recipe, running / min(resources.resident, plan.segments * n_groups),
-                       n_groups / (running // plan.segments))
+                       n_groups / (running // plan.segments), backward=len(operands) == 3, short_runs=short_runs)
 
 
 def _two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], n_outer: int, n_reduced: int,

@@ -104,10 +104,9 @@ def assert_path(path: str, dim: int, *tensors: torch.Tensor) -> None:
     assert (t.ndim > 0 and t.shape[dim] > helpers.columns.MAX_HELD) == (path == "split-columns")
 
 
-def split_forward_wherever_it_fits(monkeypatch) -> None:
-    """The column forward's split on shapes too small for it to pay (``columns.SplitLaunch.pays_forward``): its
-    pieces and merges."""
-    monkeypatch.setattr(helpers.columns, "FORWARD_MIN_FILL", 0)
+def split_wherever_it_fits(monkeypatch) -> None:
+    """The column split on shapes too small for it to pay (``columns.SplitLaunch.pays``): its pieces and merges."""
+    monkeypatch.setattr(helpers.columns, "FULL_FILL", 0)
     monkeypatch.setattr(helpers.columns, "FORWARD_MIN_ROUNDS", 0)
 
 

@@ -13,7 +13,7 @@ from conftest import (
     launched,
     randn,
     run_with_timeout,
-    split_forward_wherever_it_fits,
+    split_wherever_it_fits,
     torch_backward,
 )
 
@@ -71,7 +71,7 @@ def test_long_dim_with_few_columns(monkeypatch, fits):
     """A dim too long to hold over few columns takes the columns whatever the GPU holds: split where a group of its
     pieces fits the GPU together, else in two passes, whose chunks of rows give the GPU programs that the columns
     alone would not."""
-    split_forward_wherever_it_fits(monkeypatch)
+    split_wherever_it_fits(monkeypatch)
     if not fits:
         monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     monkeypatch.setattr(columns, "TWO_PASS_PIECE", (256, 128, 8))
@@ -116,7 +116,7 @@ def test_narrow_columns(n_inner, element_size, n_inputs):
 def test_narrow_column_values(monkeypatch, dtype, n_reduced):
     """Two columns: held blocks of two columns, tall pieces of two (in fp32 at 20000, merged in two levels with one
     column for the first two programs to merge and none for the rest), each with torch's values."""
-    split_forward_wherever_it_fits(monkeypatch)
+    split_wherever_it_fits(monkeypatch)
     monkeypatch.setattr(recipes, "_recipes", {})
     x = randn(2, n_reduced, 2, dtype=dtype)
     x[1, :, 0] = float("-inf")
@@ -227,7 +227,7 @@ def test_long_dims(monkeypatch, dtype, fits, two_level_bytes, max_two_level_piec
     monkeypatch.setattr(columns, "MAX_TWO_LEVEL_PIECES", max_two_level_pieces)
     monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(recipes, "_recipes", {})
-    split_forward_wherever_it_fits(monkeypatch)
+    split_wherever_it_fits(monkeypatch)
     if not fits:
         monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     x = randn(2, columns.MAX_HELD + 77, 40, dtype=dtype)
@@ -317,7 +317,7 @@ def test_forward_split_only_where_it_pays(monkeypatch, n_inner, resident, takes_
     """A forward split runs only where it keeps the GPU full through FORWARD_MIN_ROUNDS rounds of its column blocks,
     else two passes. Here 5 pieces of 256 rows a block of 32 columns, on a GPU that holds 10 programs whatever their
     registers, run 2 groups at once: 10 column blocks take 5 rounds, 4 take 2; where the GPU holds 12, the 2 groups
-    leave 2 idle (under FORWARD_MIN_FILL). The backward's split, of 9 pieces of 128 rows, runs in every case."""
+    leave 2 idle (under FULL_FILL). The backward's split, of 9 pieces of 128 rows, runs in every case."""
     monkeypatch.setattr(recipes, "_recipes", {})
     resources = residency.compiled_resources
     monkeypatch.setattr(residency, "compiled_resources",
@@ -334,6 +334,34 @@ def test_forward_split_only_where_it_pays(monkeypatch, n_inner, resident, takes_
     assert first_steps["softmax_backward_column_split_kernel"].constexprs["SEGMENTS"] == 9
     if takes_split:
         assert first_steps[forward].constexprs["SEGMENTS"] == 5
+
+
+@pytest.mark.parametrize("n_inner, run_bytes, resident, takes_split", [
+    (64, 32, 12, True), (72, 32, 12, False), (144, 64, 12, True), (72, 32, 10, True)],
+    ids=["short-runs-8-rounds", "short-runs-9-rounds", "longer-runs-9-rounds", "short-runs-9-rounds-full"])
+def test_backward_split_of_short_runs_only_where_it_pays(monkeypatch, n_inner, run_bytes, resident, takes_split):
+    """A backward split of LONGEST_BACKWARD_PIECE's 32-byte runs that leaves part of the GPU idle (under FULL_FILL)
+    runs only over LONGEST_MAX_ROUNDS rounds or fewer, else two passes; one of longer runs, or on a full GPU, over
+    any number. Here the backward's only piece is 128 rows of ``run_bytes``, 9 of them a column block, one group at a
+    time, a round a column block: 9 of the 12 programs the GPU holds, or 9 of 10 (full)."""
+    monkeypatch.setattr(recipes, "_recipes", {})
+    resources = residency.compiled_resources
+    monkeypatch.setattr(residency, "compiled_resources",
+                        lambda *args: dataclasses.replace(resources(*args), resident=resident, assured=resident))
+    monkeypatch.setattr(columns, "MAX_BACKWARD_PIECES", 0)
+    monkeypatch.setattr(columns, "MAX_TALL_PIECES", 0)
+    monkeypatch.setattr(columns, "LONG_BACKWARD_PIECE", (128, run_bytes, 4))
+    monkeypatch.setattr(columns, "LONGEST_BACKWARD_PIECE", (128, 32, 4))
+    y = torch.softmax(randn(columns.MAX_HELD + 77, n_inner), 0)
+    dy = randn(*y.shape, scale=1.0)
+    torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), torch_backward(y, dy, 0),
+                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+    (step,) = [recipe.steps[0] for recipe in recipes._recipes.values()]
+    if takes_split:
+        assert step.kernel is columns.softmax_backward_column_split_kernel
+        assert step.constexprs["SEGMENTS"] == 9 and step.constexprs["BLOCK_C"] * 4 == run_bytes
+    else:
+        assert step.kernel is columns.softmax_backward_column_two_pass_kernel
 
 
 # A GPU subprocess: the backward over dim 0 of a (32768, 4096) fp32 tensor, against torch. On a GPU of at least 128
@@ -370,7 +398,7 @@ def test_tall_backward_pieces_on_the_gpu():
 
 # A GPU subprocess: the backward over dim 0 of a (100000, 64) tensor, against torch. Long pieces would be 196, more than
 # the 132 programs of 8 warps an H100 surely holds; the longest pieces are 98, split where the rows would read each
-# column as a strided row.
+# column as a strided row. Over 256 columns they would take more than LONGEST_MAX_ROUNDS rounds: two passes.
 GPU_LONGEST_PIECES = r"""
 import torch
 import helpers
@@ -391,6 +419,14 @@ for dtype in (torch.float32, torch.bfloat16):
         rows, run_bytes, warps = columns.LONGEST_BACKWARD_PIECE
         assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"], step.num_warps) == (rows, 98, warps), step
         assert step.constexprs["BLOCK_C"] * y.element_size() == run_bytes
+# Over 256 fp32 columns the same 98 pieces would take 32 rounds, one group at a time: two passes instead.
+y, dy = torch.softmax(torch.randn(100000, 256, device="cuda") * 4, 0), torch.randn(100000, 256, device="cuda")
+expected = torch._softmax_backward_data(dy.double(), y.double(), 0, torch.float64)
+recipes._recipes.clear()
+torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), expected, atol=1e-6, rtol=1e-4)
+(step,) = [recipe.steps[0] for recipe in recipes._recipes.values()]
+if 98 <= sms < 2 * 98:
+    assert step.kernel is columns.softmax_backward_column_two_pass_kernel, step.kernel
 print("ok", sms, flush=True)
 """
 

@@ -10,7 +10,7 @@ from conftest import (
     TOLERANCE,
     launched,
     randn,
-    split_forward_wherever_it_fits,
+    split_wherever_it_fits,
     torch_backward,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,7 +82,7 @@ def test_upcast_long_columns(monkeypatch, dtype, fits):
     monkeypatch.setattr(columns, "FORWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(columns, "BACKWARD_PIECE", (256, 64, 4))
     monkeypatch.setattr(recipes, "_recipes", {})
-    split_forward_wherever_it_fits(monkeypatch)
+    split_wherever_it_fits(monkeypatch)
     if not fits:
         monkeypatch.setattr(residency, "split_grid", lambda *args: 0)
     x = randn(2, columns.MAX_HELD + 77, 24, dtype=dtype)

@@ -6,7 +6,7 @@ On a GPU the ops are triton_ops that torch.compile traces into; under Triton's i
 
 import pytest
 import torch
-from conftest import ON_GPU, randn, run_with_timeout, split_forward_wherever_it_fits, torch_backward, traced_by_torch
+from conftest import ON_GPU, randn, run_with_timeout, split_wherever_it_fits, torch_backward, traced_by_torch
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -110,7 +110,7 @@ def test_traced_columns_in_two_passes_run_eager(monkeypatch):
     x32 = randn(2, helpers.columns.MAX_HELD + 76, 40)
     assert "softmax_course.softmax_eager.default" in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x32)
     monkeypatch.setattr(helpers.recipes, "_recipes", {})
-    split_forward_wherever_it_fits(monkeypatch)
+    split_wherever_it_fits(monkeypatch)
     assert not any("eager" in op for op in traced_operators(lambda x: forward(x, 1, x.dtype), "fake", x32))  # split
     monkeypatch.setattr(helpers.recipes, "_recipes", {})
     monkeypatch.setattr(helpers.residency, "split_grid", lambda *args: 0)  # no split fits: two passes
