@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import exchange, plans, recipes, residency, two_pass
+from . import exchange, plans, recipes, residency
 from .column_split import (
     column_piece,
     merge_partials,
@@ -29,7 +29,7 @@ from .column_split import (
     softmax_column_split_kernel,
 )
 from .exchange import FINISH, STATISTICS
-from .kernels import upcast
+from .kernels import compute_dtype, upcast
 from .tiles import KEEP_IN_L2, LOG2E
 
 # A forward block is WIDE_COLUMNS wide, or NARROW_COLUMNS from LONG_COLUMN rows on, in any dtype: it computes in fp32,
@@ -114,9 +114,9 @@ def held_length(n_inner: int, element_size: int, n_inputs: int) -> int:
     """The longest dim a program holds whole, over ``n_inner`` columns: MAX_HELD (MAX_HELD_BACKWARD for y and dy),
     or where fewer than MIN_COLUMNS columns narrow the block, as many elements as the longest held block, MAX_HELD x
     NARROW_COLUMNS (MAX_HELD_BACKWARD x NARROW_RUN_BYTES of each input)."""
-    block_c = plans.next_power_of_2(n_inner)
-    if block_c >= MIN_COLUMNS:
+    if not _narrowed(n_inner):
         return MAX_HELD if n_inputs == 1 else MAX_HELD_BACKWARD
+    block_c = plans.next_power_of_2(n_inner)
     if n_inputs == 1:
         return MAX_HELD * NARROW_COLUMNS // block_c
     return MAX_HELD_BACKWARD * (NARROW_RUN_BYTES // element_size) // block_c
@@ -148,9 +148,13 @@ def _piece_block(piece: tuple[int, int, int], element_size: int, n_inner: int) -
     holds (and fewer than MIN_COLUMNS), as narrow as the columns and as much taller."""
     rows, run_bytes, warps = piece
     run = run_bytes // element_size
-    columns_there = plans.next_power_of_2(int(n_inner))
-    block_c = run if columns_there >= MIN_COLUMNS else min(run, columns_there)
+    block_c = min(run, plans.next_power_of_2(int(n_inner))) if _narrowed(n_inner) else run
     return rows * run // block_c, block_c, warps
+
+
+def _narrowed(n_inner: int) -> bool:
+    """Whether ``n_inner`` columns, fewer than MIN_COLUMNS, narrow a block to their own width."""
+    return plans.next_power_of_2(int(n_inner)) < MIN_COLUMNS
 
 
 def _held_plan(n_reduced: int, n_inner: int, element_size: int, n_inputs: int) -> ColumnPlan:
@@ -559,8 +563,7 @@ def _split_recipe(split, operands: tuple[torch.Tensor, ...], plan: ColumnPlan, n
         return None
     running = residency.split_grid(plan.segments, n_groups, resources.resident, resources.assured)
     element_size = max(t.element_size() for t in operands[1:])
-    short_runs = (plan.block_c * element_size <= LONGEST_BACKWARD_PIECE[1]
-                  and plans.next_power_of_2(n_inner) >= MIN_COLUMNS)
+    short_runs = plan.block_c * element_size <= LONGEST_BACKWARD_PIECE[1] and not _narrowed(n_inner)
     return SplitLaunch(recipe, running / min(resources.resident, plan.segments * n_groups),
                        n_groups / (running // plan.segments), backward=len(operands) == 3, short_runs=short_runs)
 
@@ -574,7 +577,7 @@ def _two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], n_outer: int, n
     chunk_rows = block_r * plans.cdiv(plans.cdiv(n_reduced, block_r), MAX_COLUMN_CHUNKS)
     chunks = plans.cdiv(n_reduced, chunk_rows)
     n_programs = n_outer * plans.cdiv(n_inner, block_c) * chunks
-    partials = recipes.Buffer(n_programs * block_c, two_pass.partials_dtype(operands))
+    partials = recipes.Buffer(n_programs * block_c, compute_dtype(*operands))
     constexprs = dict(CHUNKS_POW2=plans.next_power_of_2(chunks), BLOCK_R=block_r, BLOCK_C=block_c)
     return recipes.Recipe((partials,) * (1 if len(operands) == 3 else 2), tuple(
         recipes.Step(kernel, n_programs, (n_reduced, n_inner, chunks, chunk_rows), dict(constexprs, PHASE=phase.value),

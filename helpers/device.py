@@ -6,6 +6,8 @@ is imported, so this module must run before the first ``import triton``.
 
 ``SOFTMAX_INTERPRET`` overrides the choice: ``1`` forces the interpreter on CPU tensors even on a GPU machine; ``0``
 refuses it, for the cross-compilation check that builds GPU code on a machine without a GPU.
+
+``TRITON_DEFAULT_FP_FUSION`` is set to ``1`` where unset: FMA contraction stays on in Triton 3.10 as in 3.9.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ if INTERPRET:
     # A row of all -inf computes -inf - (-inf) in numpy, which warns with a site-packages path on every such row.
     # The NaN it makes is the answer torch gives too, so the warning is noise for a learner.
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+
+# Whether Triton contracts a * b + c into one FMA instruction: on by default up to Triton 3.9, which warns (once a
+# process) that 3.10 turns it off. The course's kernels and recorded numbers were made with it on; a learner's own
+# setting wins. Triton reads the variable at each compile, so setting it here, after its import, still counts.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 def sized(gpu, cpu):

@@ -41,6 +41,11 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
         wrap_triton(kernel)[grid](*args, **options)
 
 
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels compute in (``upcast`` in a kernel): fp64 where a tensor is fp64, else fp32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 @triton.jit
 def upcast(x):
     """fp16/bf16 (and fp32) compute in fp32, fp64 stays fp64: low precisions are only a storage format."""

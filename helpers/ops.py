@@ -456,7 +456,7 @@ def _forward_mode_on() -> bool:
 
 def _widened(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The tensors in fp32, or fp64 if any is: the precision of the second-order terms computed in PyTorch."""
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    wide = kernels.compute_dtype(*tensors)
     return [t.to(wide) for t in tensors]
 
 

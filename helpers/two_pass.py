@@ -10,7 +10,7 @@ import triton.language as tl
 from . import plans
 from .device import INTERPRET
 from .exchange import FINISH, STATISTICS
-from .kernels import upcast
+from .kernels import compute_dtype, upcast
 from .recipes import Buffer, Recipe, Step
 from .tiles import KEEP_IN_L2, LOG2E
 
@@ -145,13 +145,9 @@ def two_pass_recipe(kernel, operands: tuple[torch.Tensor, ...], strides: tuple, 
     l2_bytes = 0 if INTERPRET else torch.cuda.get_device_properties(operands[0].device).L2_cache_size
     bytes_per_program = chunk_blocks * TWO_PASS_BLOCK_BYTES * (len(operands) - 1)  # x, or y and dy
     kept_programs = int(l2_bytes * KEPT_L2_FRACTION) // bytes_per_program
-    buffers = tuple(Buffer(n_rows * chunks, partials_dtype(operands)) for _ in range(partials))
+    buffers = tuple(Buffer(n_rows * chunks, compute_dtype(*operands)) for _ in range(partials))
     return Recipe(buffers, tuple(
         Step(kernel, n_rows * chunks, (*strides, n_cols, chunks, chunk_blocks, kept_programs),
              dict(CHUNKS_POW2=plans.next_power_of_2(chunks), BLOCK_N=block_n, PHASE=phase.value), TWO_PASS_WARPS)
         for phase in (STATISTICS, FINISH)))
 
-
-def partials_dtype(operands: tuple[torch.Tensor, ...]) -> torch.dtype:
-    """The compute dtype, which two-pass partials keep: fp64 where an operand is fp64, else fp32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in operands) else torch.float32

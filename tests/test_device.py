@@ -6,7 +6,8 @@ import sys
 
 import helpers
 
-CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SOFTMAX_INTERPRET")}
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if k not in ("TRITON_INTERPRET", "SOFTMAX_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
 
 
 def run_python(code, **env):
@@ -36,3 +37,23 @@ def test_triton_imported_first_is_explained():
     out = run_python("import triton, helpers", SOFTMAX_INTERPRET="1")
     assert out.returncode != 0
     assert "put `import helpers` before any `import triton`" in out.stderr
+
+
+FUSION_PROBE = """
+import os, warnings, torch, helpers
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    y = helpers.softmax(torch.randn(4, 8, device=helpers.DEVICE))
+torch.testing.assert_close(y.sum(-1), torch.ones(4, device=helpers.DEVICE))
+print(os.environ["TRITON_DEFAULT_FP_FUSION"], sum("FP_FUSION" in str(w.message) for w in caught))
+"""
+
+
+def test_fp_fusion_stays_on_without_triton_39s_warning():
+    """Triton 3.9 warns at a kernel's first compile that its default for FMA contraction turns off in 3.10: helpers
+    keeps it on, as the course's numbers were made, and the launch warns of nothing (on a GPU; the interpreter does not
+    compile). A learner's own setting is kept."""
+    for chosen, expected in ((None, "1 0"), ("0", "0 0")):
+        out = run_python(FUSION_PROBE, **({} if chosen is None else {"TRITON_DEFAULT_FP_FUSION": chosen}))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == expected.split()
