@@ -366,7 +366,7 @@ def test_kernels_compile_for_hopper():
     the benchmark's shapes, whose strides and lengths Triton specialises as multiples of 16. Two processes, one per
     core."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(SOFTMAX_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    env.update(SOFTMAX_INTERPRET="0")
     runs = [subprocess.Popen([sys.executable, "-c", COMPILE, *cases], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for cases in COMPILE_CASES]
     lines = []

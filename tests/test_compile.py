@@ -15,7 +15,7 @@ import pytest
 def compile_in_subprocess(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``script`` in a fresh Python with the interpreter off; its stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(SOFTMAX_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    env.update(SOFTMAX_INTERPRET="0")
     out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
