@@ -25,7 +25,7 @@ def column_softmax_kernel(y_ptr, x_ptr, n_rows, x_row_stride, x_col_stride, y_ro
 
 def column_softmax(x: torch.Tensor) -> torch.Tensor:
     n_rows, n_cols = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)  # contiguous, as torch returns it, whatever x's strides
     column_softmax_kernel[(n_cols,)](y, x, n_rows, x.stride(0), x.stride(1), y.stride(0),
                                      BLOCK_M=triton.next_power_of_2(n_rows))
     return y
@@ -47,6 +47,7 @@ def log_softmax_kernel(y_ptr, x_ptr, x_row_stride, y_row_stride, n_cols, BLOCK_S
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()  # the kernel takes neighbouring columns
     y = torch.empty_like(x)
     log_softmax_kernel[(x.shape[0],)](y, x, x.stride(0), y.stride(0), x.shape[1],
                                       BLOCK_SIZE=triton.next_power_of_2(x.shape[1]))
@@ -64,6 +65,7 @@ def scaled_softmax_kernel(y_ptr, x_ptr, scale, x_row_stride, y_row_stride, n_col
 
 
 def scaled_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
+    x = x.contiguous()  # the kernel takes neighbouring columns
     y = torch.empty_like(x)
     scaled_softmax_kernel[(x.shape[0],)](y, x, scale, x.stride(0), y.stride(0), x.shape[1],
                                          BLOCK_SIZE=triton.next_power_of_2(x.shape[1]))
@@ -86,6 +88,7 @@ def causal_softmax_kernel(y_ptr, x_ptr, x_row_stride, y_row_stride, n_cols, BLOC
 
 
 def causal_softmax(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()  # the kernel takes neighbouring columns
     y = torch.empty_like(x)
     causal_softmax_kernel[(x.shape[0],)](y, x, x.stride(0), y.stride(0), x.shape[1],
                                          BLOCK_SIZE=triton.next_power_of_2(x.shape[1]))

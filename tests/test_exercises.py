@@ -59,6 +59,35 @@ def test_checker_fails_on_a_wrong_answer(name, capsys):
     assert out.startswith(exercises.FAIL) and ("differ" in out or "predicted" in out)
 
 
+def _unsafe_softmax(x, dim=-1):
+    """softmax without subtracting the max: right for small values, inf / inf = NaN once exp overflows."""
+    e = torch.exp(x)
+    return e / e.sum(dim, keepdim=True)
+
+
+SUBTLER_WRONG = {  # mistakes the first inputs alone would let through
+    "column_softmax: no max subtracted": ("column_softmax", lambda x: _unsafe_softmax(x, 0)),
+    "column_softmax: reads x as if contiguous": (  # ignores the column stride: wrong on a transposed x
+        "column_softmax", lambda x: torch.softmax(torch.as_strided(x, x.shape, (x.shape[1], 1)), dim=0)),
+    "scaled_softmax: no max subtracted": ("scaled_softmax", lambda x, s: _unsafe_softmax(x * s)),
+    "causal_softmax: no max subtracted": (
+        "causal_softmax", lambda x: _unsafe_softmax(x.masked_fill(torch.ones_like(x, dtype=torch.bool).triu(1),
+                                                                  float("-inf")))),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(SUBTLER_WRONG))
+def test_checker_fails_on_a_subtler_mistake(mistake, capsys):
+    name, wrong = SUBTLER_WRONG[mistake]
+    assert CHECKS[name](wrong) is False
+    assert "differ" in capsys.readouterr().out
+
+
+def test_predicted_plans_as_lists_pass():
+    as_lists = {name: list(plan) for name, plan in solutions.predicted_plans.items()}
+    assert exercises.check_predicted_plans(as_lists) is True
+
+
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_checker_passes_on_the_solution(name, capsys):
     assert CHECKS[name](getattr(solutions, name)) is True
