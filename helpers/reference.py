@@ -1,4 +1,5 @@
-"""Plain PyTorch softmax, forward and backward: the oracles the notebooks and tests compare the kernels against.
+"""Plain PyTorch softmax, forward and backward: the eager baseline the benchmark times (``naive_softmax``), and the
+backward and Jacobian the notebooks and tests compare the kernels against.
 
 Each line is one eager operation, so its memory traffic can be counted (notebook 01): for an M x N input,
 ``naive_softmax`` reads 5MN + 2M elements and writes 3MN + 2M.
