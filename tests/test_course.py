@@ -49,3 +49,12 @@ def test_committed_outputs_are_from_a_clean_run(path):
         for out in c["outputs"]:
             assert out["output_type"] != "error"
             assert out.get("name") != "stderr", f"stderr in committed output: {''.join(out['text'])[:200]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_markdown_lines_fit_120_columns(path):
+    """Prose wraps at 120 characters, as ruff holds the code cells to (the Colab badge's link cannot wrap)."""
+    badge = colab_badge(path.name)
+    long_lines = [(index, line[:50]) for index, cell in enumerate(cells(path)) if cell["cell_type"] == "markdown"
+                  for line in "".join(cell["source"]).splitlines() if len(line) > 120 and badge not in line]
+    assert not long_lines
