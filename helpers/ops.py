@@ -7,6 +7,9 @@ input but not in torch's output (channels-last activations over their channels),
 x over its last dim), takes turned tiles (``columns.takes_turned``). Otherwise the softmax dim is moved last and the
 rest flattened into rows, a view when strides allow it and a copy otherwise, and the output is fresh contiguous rows
 in the input's shape, contiguous as torch's (a copy where the dim was not last). Inputs are never written.
+
+Nested tensors of the jagged layout run on the kernels through their values (below). What the kernels do not take and
+torch does (a tensor on another device than theirs, a meta tensor, other nested tensors) gets torch's own softmax.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import operator
 
 import torch
 from torch.autograd import forward_ad
+from torch.nested._internal.nested_tensor import nested_view_from_values_offsets
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from . import columns, fused, kernels, plans, recipes, reference
+from . import columns, fused, kernels, plans, recipes
 from .device import DEVICE, INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -355,7 +359,9 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     no ``dtype`` give fp32, as torch's does. Its backward is ``softmax_backward`` of the saved output, into ``x``'s
     dtype. The backward is differentiable again, and forward mode (a tangent's ``J @ x_t``) and torch.func's
     transforms (grad, vmap, jacrev, jacfwd, hessian, ...) run on the same kernels. A meta tensor (shapes, no data)
-    gets torch.softmax's meta result.
+    gets torch.softmax's meta result, and a tensor on another device (a CPU tensor on a GPU machine) torch's own
+    softmax. A nested tensor of the jagged layout, (batch, sequence, ...), takes the kernels over any dim but the batch
+    dim, the sequence dim too (torch.softmax's gradient there is wrong in torch 2.13); other nested tensors are torch's.
     """
     if type(dim) is not int:
         return softmax(x, _int_dim(dim), dtype)  # one type for the layout's key: 1.0 == True == 1
@@ -373,8 +379,10 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
             if call is not None and (x_ptr or not x.numel()) and not (x.requires_grad and torch.is_grad_enabled()) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on, inline
                 return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
-    if isinstance(x, torch.Tensor) and x.is_meta:
-        return torch.softmax(x, _dim_index(dim, x.ndim), dtype)  # shapes only (a model on the meta device)
+    if isinstance(x, torch.Tensor) and not _on_kernel_device(x):
+        return torch.softmax(x, _dim_index(dim, x.ndim), dtype)  # torch's own: meta (shapes only), another device
+    if isinstance(x, torch.Tensor) and x.is_nested:
+        return _nested_softmax(x, _dim_index(dim, x.dim()), dtype)
     if dtype is not None and isinstance(x, torch.Tensor) and x.dtype not in FLOAT_DTYPES:
         return softmax(x.to(_result_dtype(dtype, x.dtype)), dim)  # integers, bools: cast first, as torch's
     _check_tensor("x", x)
@@ -429,16 +437,19 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
                     torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on
                 return call(y, dy, y_ptr, dy_ptr)
-    meta = isinstance(y, torch.Tensor) and isinstance(dy, torch.Tensor) and y.is_meta and dy.is_meta
-    if not meta:
+    if isinstance(y, torch.Tensor) and isinstance(dy, torch.Tensor) and (y.is_nested or dy.is_nested):
+        return _nested_backward(y, dy, _dim_index(dim, y.dim()), _result_dtype(dtype, y.dtype))
+    elsewhere = isinstance(y, torch.Tensor) and isinstance(dy, torch.Tensor) and not (
+        _on_kernel_device(y) and _on_kernel_device(dy))
+    if not elsewhere:
         _check_tensor("y", y)
         _check_tensor("dy", dy)
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
     dim = _dim_index(dim, y.ndim)
     dx_dtype = _result_dtype(dtype, y.dtype)
-    if meta:  # shapes only, as softmax's: the reference formula in PyTorch, which computes nothing on meta tensors
-        return _in_torch_layout(reference.softmax_backward(y, dy, dim).to(dx_dtype).contiguous())
+    if elsewhere:  # torch's own: meta (shapes only), another device
+        return _torch_backward(y, dy, dim, dx_dtype)
     if _traced(y, dy) or (y_ptr is None and not _wrapped_by_torch_func(y, dy)):
         return _softmax_backward_op(y, dy, dim, dx_dtype)
     if y_ptr is None or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():
@@ -446,6 +457,53 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     call, dx = _backward_call(y, dy, dim, dx_dtype)
     _remember(key, call)
     return call(y, dy, y_ptr, dy_ptr, dx)
+
+
+# Nested tensors of the jagged layout, (batch, sequence, ...) with sequences of any length, hold their elements in one
+# dense tensor, ``t.values()`` (sum of the lengths, ...): the kernels take that. Softmax over a dim after the sequence
+# dim is the values' softmax over their dim one lower. Over the sequence dim, each sequence is padded to the longest
+# (with -inf, whose exp adds 0 to every sum; dy and y with 0) and taken back out. Any other nested tensor (softmax over
+# the batch dim, the strided layout, holes, a transposed jagged tensor whose ragged dim moved) is torch's own softmax.
+def _kernels_take_nested(*tensors: torch.Tensor) -> bool:
+    return all(t.is_nested and t.layout == torch.jagged and t._ragged_idx == 1 and t.lengths() is None
+               and _on_kernel_device(t) for t in tensors) and all(t.shape == tensors[0].shape for t in tensors)
+
+
+def _jagged_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The jagged tensor of ``like``'s sequences over ``values``: the view torch's own jagged ops build (its public
+    ``nested_tensor_from_jagged`` logs a warning meant for torch.fx tracing at its first call, in torch 2.13)."""
+    return nested_view_from_values_offsets(values, like.offsets())
+
+
+def _unpadded(padded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The jagged tensor of ``like``'s sequences from ``padded`` (batch, longest sequence, ...)."""
+    lengths = like.offsets().diff()
+    in_sequence = torch.arange(padded.shape[1], device=padded.device) < lengths.unsqueeze(1)
+    return _jagged_like(padded[in_sequence], like)
+
+
+def _nested_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
+    if dim == 0 or not _kernels_take_nested(x):
+        return torch.softmax(x, dim, dtype)
+    if dim == 1:
+        return _unpadded(softmax(x.to_padded_tensor(float("-inf")), 1, dtype), x)
+    return _jagged_like(softmax(x.values(), dim - 1, dtype), x)
+
+
+def _nested_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    if dim == 0 or not _kernels_take_nested(y, dy):
+        return _torch_backward(y, dy, dim, dtype)
+    if dim == 1:
+        return _unpadded(softmax_backward(y.to_padded_tensor(0.0), dy.to_padded_tensor(0.0), 1, dtype), y)
+    return _jagged_like(softmax_backward(y.values(), dy.values(), dim - 1, dtype), y)
+
+
+def _torch_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``softmax_backward`` where the kernels do not run (meta tensors, another device than theirs, the nested
+    tensors above): torch's own backward, in the precision the kernels compute in, then ``dtype``."""
+    wide = kernels.compute_dtype(y, dy)
+    dx = torch._softmax_backward_data(dy.to(wide), y.to(wide), dim, wide).to(dtype)
+    return dx if dx.is_nested else _in_torch_layout(dx.contiguous())
 
 
 def _forward_mode_on() -> bool:

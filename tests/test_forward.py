@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
+from conftest import BACKWARD_TOLERANCE, DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
 
 import helpers
 from helpers import ops
@@ -134,6 +134,88 @@ def test_meta_tensors(shape, dim, dtype):
     assert dx.is_meta and dx.shape == x.shape and dx.dtype == dtype
     with pytest.raises(IndexError, match="Dimension out of range"):
         helpers.softmax(x, x.ndim + 1)
+
+
+def check_torchs_own(x, dim, dtype):
+    """softmax, its gradient and softmax_backward of ``x``, where the kernels do not run: torch's own, to the bit."""
+    x = x.clone().requires_grad_()
+    y, expected = helpers.softmax(x, dim, dtype), torch.softmax(x, dim, dtype)
+    assert torch.equal(y, expected) and y.stride() == expected.stride() and y.device == x.device
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    (expected_dx,) = torch.autograd.grad(expected, x, dy)
+    torch.testing.assert_close(dx, expected_dx, rtol=0, atol=0)
+    y, dy = y.detach().to(x.dtype), dy.to(x.dtype)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    expected = torch._softmax_backward_data(dy.to(wide), y.to(wide), dim, wide).to(x.dtype)
+    assert torch.equal(helpers.softmax_backward(y, dy, dim), expected)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_another_device_is_torchs(monkeypatch, x_dtype, dtype):
+    """A tensor on another device than the kernels' (a CPU tensor on a GPU machine) gets torch's own softmax, gradient
+    and backward, as a meta tensor gets its meta result: a drop-in runs wherever torch.softmax runs. Here no tensor is
+    on the kernels' device; test_cpu_tensors_on_a_gpu_machine takes real ones."""
+    monkeypatch.setattr(ops, "_on_kernel_device", lambda t: False)
+    for shape, dim in (((4, 50), -1), ((6, 5, 3), 1), ((7,), 0)):
+        check_torchs_own(randn(*shape, dtype=x_dtype), dim, dtype)
+
+
+@pytest.mark.skipif(helpers.INTERPRET, reason="the interpreter's kernels run on CPU tensors")
+def test_cpu_tensors_on_a_gpu_machine():
+    """CPU tensors on a GPU machine: torch's own softmax, gradient and backward (the kernels run on the GPU)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        check_torchs_own(randn(33, 65, dtype=dtype).cpu(), 0, None)
+
+
+def jagged(*lengths, n_cols=6, dtype=torch.float32):
+    """A nested tensor of the jagged layout, (len(lengths), j, n_cols), and its sequences as dense tensors."""
+    sequences = [randn(length, n_cols, dtype=dtype) for length in lengths]
+    return torch.nested.nested_tensor(sequences, layout=torch.jagged), sequences
+
+
+@pytest.mark.parametrize("dim", [-1, 2, 1, -2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_jagged_nested_tensors(monkeypatch, dim, dtype):
+    """Sequences of any length in a nested tensor of the jagged layout, (batch, j, n): each sequence's softmax, over
+    its columns (dim 2) from the tensor's values, over its own length (dim 1, the ragged dim) each sequence padded
+    with -inf, by the kernels (torch.softmax is never called), forward, gradient and softmax_backward. (torch 2.13's
+    own gradient over the ragged dim is not: it sums y * dy along each row, as for a softmax over the last dim.)"""
+    x, sequences = jagged(3, 0, 5, 1, dtype=dtype)
+    dense_dim = dim - 1 if dim > 0 else dim
+    leaves = [s.clone().requires_grad_() for s in sequences]
+    expected = [torch.softmax(s, dense_dim) for s in leaves]
+    dy = [torch.randn_like(s) for s in sequences]
+    expected_dx = torch.autograd.grad(expected, leaves, dy)
+    monkeypatch.setattr(torch, "softmax", None)  # the kernels, not torch
+    x.requires_grad_()
+    y = helpers.softmax(x, dim)
+    assert y.is_nested and y.shape == x.shape and y.dtype == dtype
+    for got, want in zip(y.unbind(), expected, strict=True):
+        torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    dy_nested = torch.nested.nested_tensor_from_jagged(torch.cat(dy), x.offsets())
+    (dx,) = torch.autograd.grad(y, x, dy_nested)
+    for dx_nested in (dx, helpers.softmax_backward(y.detach(), dy_nested, dim)):
+        assert dx_nested.is_nested and dx_nested.shape == x.shape
+        for got, want in zip(dx_nested.unbind(), expected_dx, strict=True):
+            torch.testing.assert_close(got, want, **BACKWARD_TOLERANCE[dtype])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_other_nested_tensors_are_torchs():
+    """A nested tensor the kernels do not take is torch's: the strided layout's softmax and backward, and softmax
+    over the batch dim, which torch refuses."""
+    sequences = [randn(3, 6), randn(5, 6)]
+    x = torch.nested.nested_tensor(sequences)
+    y = helpers.softmax(x, -1)
+    for got, want in zip(y.unbind(), (torch.softmax(s, -1) for s in sequences), strict=True):
+        assert torch.equal(got, want)
+    dx = helpers.softmax_backward(y, x, -1)
+    for got, want in zip(dx.unbind(), torch._softmax_backward_data(x, y, -1, torch.float32).unbind(), strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="batch dimension"):
+        helpers.softmax(jagged(2, 3)[0], 0)
 
 
 @pytest.mark.parametrize("make_input, dim", [

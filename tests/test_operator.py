@@ -197,6 +197,24 @@ def test_compiled_zero_dim():
     assert y.shape == () and y.item() == 1.0 and dx.item() == 0.0
 
 
+@traced_by_torch
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_compiled_jagged_nested_tensor(dim):
+    """A nested tensor of the jagged layout through torch.compile(fullgraph=True), over its columns and over its
+    ragged sequence dim: each sequence's softmax and gradient, as in eager."""
+    torch._dynamo.reset()
+    sequences = [randn(length, 6) for length in (3, 5, 1)]
+    x = torch.nested.nested_tensor(sequences, layout=torch.jagged).requires_grad_()
+    backend = "inductor" if ON_GPU else "aot_eager"
+    y = torch.compile(lambda t: helpers.softmax(t, dim), backend=backend, fullgraph=True)(x)
+    dy = torch.nested.nested_tensor_from_jagged(torch.randn_like(y.values()), x.offsets())
+    (dx,) = torch.autograd.grad(y, x, dy)
+    for sequence, y_seq, dy_seq, dx_seq in zip(sequences, y.unbind(), dy.unbind(), dx.unbind(), strict=True):
+        expected = torch.softmax(sequence, dim - 1 if dim > 0 else dim)
+        torch.testing.assert_close(y_seq, expected)
+        torch.testing.assert_close(dx_seq, torch_backward(expected, dy_seq, dim - 1 if dim > 0 else dim).float())
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Inductor compiles the Triton kernels it traces for a GPU; Triton's "
                     "interpreter cannot be traced, so on CPU the op is opaque and Inductor would only call it "
                     "(test_compiled_aot_eager covers that path)")
