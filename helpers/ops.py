@@ -18,8 +18,8 @@ import operator
 
 import torch
 from torch.autograd import forward_ad
-from torch.nested._internal.nested_tensor import nested_view_from_values_offsets
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.nested._internal.nested_tensor import nested_view_from_values_offsets
 
 from . import columns, fused, kernels, plans, recipes
 from .device import DEVICE, INTERPRET
