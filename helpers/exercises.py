@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .device import DEVICE, sized
 from .ops import softmax_forward
@@ -32,7 +33,10 @@ def _with_large_values(cases: dict) -> dict:
     return {**cases, f"{label} + {LARGE_OFFSET:g}": x + LARGE_OFFSET}
 
 
-def _compare(name: str, fn: Callable, cases: dict, expected_fn: Callable, atol=1e-5, rtol=1e-4) -> bool:
+def _compare(name: str, fn: Callable, cases: dict, expected_fn: Callable, atol=1e-5, rtol=1e-4,
+             passed: str | None = "") -> bool:
+    """Whether ``fn`` matches ``expected_fn`` on every case; a fail line at the first that does not, and a pass line
+    ending in ``passed`` (none where it is None) if all do."""
     for label, args in cases.items():
         args = args if isinstance(args, tuple) else (args,)
         try:
@@ -53,7 +57,8 @@ def _compare(name: str, fn: Callable, cases: dict, expected_fn: Callable, atol=1
             print(f"{FAIL} {name}: on {label}, {int((~close).sum())} of {close.numel()} values differ; "
                   f"worst at {list(where)}: got {got64[where].item():.6g}, expected {expected64[where].item():.6g}")
             return False
-    print(f"{PASS} {name}: matches PyTorch on {len(cases)} inputs ({', '.join(cases)})")
+    if passed is not None:
+        print(f"{PASS} {name}: matches PyTorch on {len(cases)} inputs ({', '.join(cases)}){passed}")
     return True
 
 
@@ -98,12 +103,43 @@ def check_log_softmax(log_softmax: Callable[[torch.Tensor], torch.Tensor]) -> bo
     return _compare("log_softmax", log_softmax, cases, lambda x: torch.log_softmax(x, dim=-1), atol=1e-4)
 
 
+class _TorchCalls(TorchFunctionMode):
+    """The names of the torch functions and tensor methods called inside it (a Triton launch calls only
+    ``data_ptr``, ``stride`` and the like)."""
+
+    def __enter__(self):
+        self.names = set()
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.add(getattr(func, "__name__", str(func)).strip("_").removeprefix("r"))
+        return func(*args, **(kwargs or {}))
+
+
+# What computes on the scores in PyTorch, outside a kernel: each a full read and write of them.
+_SCORE_ARITHMETIC = {"mul", "mul_", "div", "div_", "truediv", "true_divide", "softmax", "exp", "sub", "add"}
+
+
 def check_scaled_softmax(scaled_softmax: Callable[[torch.Tensor, float], torch.Tensor]) -> bool:
-    """softmax(scale * x) in one kernel, as attention does with scale = 1 / sqrt(d_head)."""
+    """softmax(scale * x) in one kernel, as attention does with scale = 1 / sqrt(d_head): the right values, and no
+    arithmetic in PyTorch around the kernel (scaling x first is the extra read and write the fusion saves)."""
     (label, x), = _inputs([(sized(1823, 67), sized(781, 181))]).items()
     cases = {f"{label}, scale = {s:g}": (x, s) for s in (0.125, 1.0, 3.0)}
     cases[f"{label} + {LARGE_OFFSET:g}, scale = 0.125"] = (x + LARGE_OFFSET, 0.125)
-    return _compare("scaled_softmax", scaled_softmax, cases, lambda x, s: torch.softmax(x * s, dim=-1))
+    with _TorchCalls() as calls:
+        try:
+            scaled_softmax(x, 0.125)
+        except Exception:  # a stub or a broken kernel: _compare says so
+            pass
+    outside = sorted(calls.names & _SCORE_ARITHMETIC)
+    if not _compare("scaled_softmax", scaled_softmax, cases, lambda x, s: torch.softmax(x * s, dim=-1),
+                    passed=None if outside else ", with no arithmetic outside the kernel"):
+        return False
+    if not outside:
+        return True
+    print(f"{FAIL} scaled_softmax: PyTorch computes on the scores outside the kernel ({', '.join(outside)}), one more "
+          f"read and write of them each: multiply by scale inside the kernel, after the load")
+    return False
 
 
 SHAPES = {  # name -> (the GPU shape, the CPU shape with the same row length where the interpreter allows)

@@ -58,3 +58,14 @@ def test_markdown_lines_fit_120_columns(path):
     long_lines = [(index, line[:50]) for index, cell in enumerate(cells(path)) if cell["cell_type"] == "markdown"
                   for line in "".join(cell["source"]).splitlines() if len(line) > 120 and badge not in line]
     assert not long_lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_inline_formulas_stay_on_one_line(path):
+    """An inline formula ($...$) opens and closes on one line, so that no renderer has to join one across a line
+    break (the notebooks are read in JupyterLab, on Colab and on GitHub, whose Markdown parsers differ). Display
+    formulas ($$) may take several lines."""
+    broken = [(index, line[-50:]) for index, cell in enumerate(cells(path)) if cell["cell_type"] == "markdown"
+              for line in "".join(cell["source"]).splitlines()
+              if re.sub(r"`[^`]*`", "", line).replace("$$", "").count("$") % 2]
+    assert not broken

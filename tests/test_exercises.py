@@ -76,6 +76,14 @@ SUBTLER_WRONG = {  # mistakes the first inputs alone would let through
 }
 
 
+def test_scaled_softmax_scaled_before_its_kernel_fails(capsys):
+    """The right values from a scale applied in PyTorch and a plain softmax kernel: not fused, and the check says so
+    (the solution's own kernel run with scale 1 on a scaled x)."""
+    assert exercises.check_scaled_softmax(lambda x, s: solutions.scaled_softmax(x * s, 1.0)) is False
+    assert capsys.readouterr().out.startswith(f"{exercises.FAIL} scaled_softmax: PyTorch computes on the scores "
+                                              f"outside the kernel (mul)")
+
+
 @pytest.mark.parametrize("mistake", sorted(SUBTLER_WRONG))
 def test_checker_fails_on_a_subtler_mistake(mistake, capsys):
     name, wrong = SUBTLER_WRONG[mistake]
