@@ -32,12 +32,13 @@ _on_kernel_device = ((lambda t: t.is_cpu) if INTERPRET else (lambda t: t.is_cuda
                      else (lambda t: t.device.type == DEVICE.type))
 
 
-def _check_tensor(name: str, t: object) -> None:
+def _check_tensor(name: str, t: object, on_kernel_device: bool = True) -> None:
+    """A tensor the kernels take: of a floating dtype, dense (strided), and, unless not asked, on their device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; softmax takes float16, bfloat16, float32 or float64 tensors")
-    if not _on_kernel_device(t):
+    if on_kernel_device and not _on_kernel_device(t):
         expected = "cpu" if INTERPRET else DEVICE.type
         raise ValueError(f"{name} is on {t.device}, but the kernels run on {expected}: move it with .to({expected!r})")
     if t.layout != torch.strided or t.is_nested:
@@ -360,8 +361,9 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     dtype. The backward is differentiable again, and forward mode (a tangent's ``J @ x_t``) and torch.func's
     transforms (grad, vmap, jacrev, jacfwd, hessian, ...) run on the same kernels. A meta tensor (shapes, no data)
     gets torch.softmax's meta result, and a tensor on another device (a CPU tensor on a GPU machine) torch's own
-    softmax. A nested tensor of the jagged layout, (batch, sequence, ...), takes the kernels over any dim but the batch
-    dim, the sequence dim too (torch.softmax's gradient there is wrong in torch 2.13); other nested tensors are torch's.
+    softmax. A nested tensor of the jagged layout, (batch, sequence, ...) with its sequences back to back, is softmax
+    of its values over any dim after the sequence dim, and over the sequence dim of its sequences padded with -inf
+    (where torch.softmax's own gradient is wrong in torch 2.13); other nested tensors are torch's.
     """
     if type(dim) is not int:
         return softmax(x, _int_dim(dim), dtype)  # one type for the layout's key: 1.0 == True == 1
@@ -379,12 +381,13 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
             if call is not None and (x_ptr or not x.numel()) and not (x.requires_grad and torch.is_grad_enabled()) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on, inline
                 return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
-    if isinstance(x, torch.Tensor) and not _on_kernel_device(x):
-        return torch.softmax(x, _dim_index(dim, x.ndim), dtype)  # torch's own: meta (shapes only), another device
-    if isinstance(x, torch.Tensor) and x.is_nested:
-        return _nested_softmax(x, _dim_index(dim, x.dim()), dtype)
     if dtype is not None and isinstance(x, torch.Tensor) and x.dtype not in FLOAT_DTYPES:
         return softmax(x.to(_result_dtype(dtype, x.dtype)), dim)  # integers, bools: cast first, as torch's
+    if isinstance(x, torch.Tensor) and x.is_nested:
+        return _nested_softmax(x, dim, dtype)
+    if isinstance(x, torch.Tensor) and not _on_kernel_device(x):  # torch's own: meta (shapes only), another device
+        _dim_index(dim, x.ndim)  # torch's check, which its meta softmax skips
+        return torch.softmax(x, dim, dtype)
     _check_tensor("x", x)
     dim = _dim_index(dim, x.ndim)
     y_dtype = _result_dtype(dtype, x.dtype)
@@ -419,7 +422,9 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """``dx`` from the forward output ``y`` and the incoming gradient ``dy``: ``dx = y * (dy - sum(y * dy, dim))``,
     by the fused Triton backward kernels (notebook 06); ``torch.ops.softmax_course.softmax_backward``. It is computed
-    in fp32 (fp64 if ``y`` or ``dy`` is) and stored in ``dtype``, the forward input's, by default ``y``'s."""
+    in fp32 (fp64 if ``y`` or ``dy`` is) and stored in ``dtype``, the forward input's, by default ``y``'s. Meta
+    tensors, other devices and nested tensors go as in ``softmax``, the jagged ones' ``y`` and ``dy`` with sequences
+    of the same lengths."""
     if type(dim) is not int:
         return softmax_backward(y, dy, _int_dim(dim), dtype)
     key = y_ptr = dy_ptr = None
@@ -438,18 +443,18 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on
                 return call(y, dy, y_ptr, dy_ptr)
     if isinstance(y, torch.Tensor) and isinstance(dy, torch.Tensor) and (y.is_nested or dy.is_nested):
-        return _nested_backward(y, dy, _dim_index(dim, y.dim()), _result_dtype(dtype, y.dtype))
+        return _nested_backward(y, dy, dim, _result_dtype(dtype, y.dtype))
     elsewhere = isinstance(y, torch.Tensor) and isinstance(dy, torch.Tensor) and not (
         _on_kernel_device(y) and _on_kernel_device(dy))
-    if not elsewhere:
-        _check_tensor("y", y)
-        _check_tensor("dy", dy)
+    _check_tensor("y", y, on_kernel_device=not elsewhere)
+    _check_tensor("dy", dy, on_kernel_device=not elsewhere)
     if y.shape != dy.shape:
         raise ValueError(f"y and dy must have the same shape, got {tuple(y.shape)} and {tuple(dy.shape)}")
-    dim = _dim_index(dim, y.ndim)
     dx_dtype = _result_dtype(dtype, y.dtype)
     if elsewhere:  # torch's own: meta (shapes only), another device
+        _dim_index(dim, y.ndim)
         return _torch_backward(y, dy, dim, dx_dtype)
+    dim = _dim_index(dim, y.ndim)
     if _traced(y, dy) or (y_ptr is None and not _wrapped_by_torch_func(y, dy)):
         return _softmax_backward_op(y, dy, dim, dx_dtype)
     if y_ptr is None or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():
@@ -460,42 +465,71 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
 
 
 # Nested tensors of the jagged layout, (batch, sequence, ...) with sequences of any length, hold their elements in one
-# dense tensor, ``t.values()`` (sum of the lengths, ...): the kernels take that. Softmax over a dim after the sequence
-# dim is the values' softmax over their dim one lower. Over the sequence dim, each sequence is padded to the longest
-# (with -inf, whose exp adds 0 to every sum; dy and y with 0) and taken back out. Any other nested tensor (softmax over
-# the batch dim, the strided layout, holes, a transposed jagged tensor whose ragged dim moved) is torch's own softmax.
-def _kernels_take_nested(*tensors: torch.Tensor) -> bool:
-    return all(t.is_nested and t.layout == torch.jagged and t._ragged_idx == 1 and t.lengths() is None
-               and _on_kernel_device(t) for t in tensors) and all(t.shape == tensors[0].shape for t in tensors)
+# dense tensor, ``t.values()`` (sum of the lengths, ...), which softmax takes as any dense tensor (the kernels, or
+# torch's softmax on another device). Over a dim after the sequence dim, that is the values' softmax over their dim one
+# lower. Over the sequence dim, each sequence is padded to the longest (with -inf, whose exp adds 0 to every sum; y and
+# dy with 0) and taken back out, by indexing, which autograd differentiates (twice, too). torch 2.13's own gradient
+# there is wrong: it sums y * dy along each row, as for the last dim. Any other nested tensor (softmax over the batch
+# dim, the strided layout, holes, a transposed jagged tensor whose ragged dim moved) is torch's own softmax.
+def _jagged_whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a jagged tensor whose sequence dim is dim 1 and whose values hold nothing but its sequences."""
+    return t.is_nested and t.layout == torch.jagged and t._ragged_idx == 1 and t.lengths() is None
 
 
 def _jagged_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The jagged tensor of ``like``'s sequences over ``values``: the view torch's own jagged ops build (its public
-    ``nested_tensor_from_jagged`` logs a warning meant for torch.fx tracing at its first call, in torch 2.13)."""
-    return nested_view_from_values_offsets(values, like.offsets())
+    ``nested_tensor_from_jagged`` logs a warning meant for torch.fx at its first call, in torch 2.13). It keeps the
+    shortest and longest lengths ``like`` has cached, so that padding it later needs no sync, but not while
+    torch.compile traces (AOTAutograd's record of the output's parts then disagrees with what runs, in torch 2.13)."""
+    if torch.compiler.is_compiling():
+        return nested_view_from_values_offsets(values, like.offsets())
+    return nested_view_from_values_offsets(values, like.offsets(), min_seqlen=like._maybe_min_seqlen,
+                                           max_seqlen=like._maybe_max_seqlen)
+
+
+def _sequence_positions(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of ``t.values()``'s rows' sequence and place in it (no host sync)."""
+    offsets = t.offsets()
+    n_values = t.values().shape[0]
+    sequence = torch.repeat_interleave(torch.arange(t.shape[0], device=offsets.device), offsets.diff(),
+                                       output_size=n_values)
+    return sequence, torch.arange(n_values, device=offsets.device) - offsets[sequence]
+
+
+def _padded(t: torch.Tensor, fill: float) -> torch.Tensor:
+    """``t``'s sequences in a dense (batch, longest sequence, ...) tensor, ``fill`` past each one's end."""
+    values = t.values()
+    padded = values.new_full((t.shape[0], t._max_seqlen, *values.shape[1:]), fill)
+    if fill == float("-inf") and padded.shape[1]:  # an empty sequence: one 0, not a column of -inf whose softmax,
+        empty = (t.offsets().diff() == 0).view(-1, *[1] * (values.ndim - 1))  # unused, is NaN (anomaly mode's alarm)
+        padded[:, 0] = torch.where(empty, 0.0, fill)
+    return padded.index_put(_sequence_positions(t), values)
 
 
 def _unpadded(padded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The jagged tensor of ``like``'s sequences from ``padded`` (batch, longest sequence, ...)."""
-    lengths = like.offsets().diff()
-    in_sequence = torch.arange(padded.shape[1], device=padded.device) < lengths.unsqueeze(1)
-    return _jagged_like(padded[in_sequence], like)
+    """The jagged tensor of ``like``'s sequences, from ``padded`` (batch, longest sequence, ...)."""
+    return _jagged_like(padded[_sequence_positions(like)], like)
 
 
 def _nested_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
-    if dim == 0 or not _kernels_take_nested(x):
+    dim_index = _dim_index(dim, x.dim())
+    if dim_index == 0 or not _jagged_whole(x):
         return torch.softmax(x, dim, dtype)
-    if dim == 1:
-        return _unpadded(softmax(x.to_padded_tensor(float("-inf")), 1, dtype), x)
-    return _jagged_like(softmax(x.values(), dim - 1, dtype), x)
+    if dim_index == 1:
+        return _unpadded(softmax(_padded(x, float("-inf")), 1, dtype), x)
+    return _jagged_like(softmax(x.values(), dim_index - 1, dtype), x)
 
 
 def _nested_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    if dim == 0 or not _kernels_take_nested(y, dy):
+    dim_index = _dim_index(dim, y.dim())
+    if dim_index == 0 or not (_jagged_whole(y) and _jagged_whole(dy)):
         return _torch_backward(y, dy, dim, dtype)
-    if dim == 1:
-        return _unpadded(softmax_backward(y.to_padded_tensor(0.0), dy.to_padded_tensor(0.0), 1, dtype), y)
-    return _jagged_like(softmax_backward(y.values(), dy.values(), dim - 1, dtype), y)
+    if y.shape[0] != dy.shape[0] or y.shape[2:] != dy.shape[2:] or not torch.equal(y.offsets(), dy.offsets()):
+        raise ValueError(f"y and dy must hold sequences of the same lengths and shapes, got {y.offsets().diff()} x "
+                         f"{tuple(y.shape[2:])} and {dy.offsets().diff()} x {tuple(dy.shape[2:])}")
+    if dim_index == 1:
+        return _unpadded(softmax_backward(_padded(y, 0.0), _padded(dy, 0.0), 1, dtype), y)
+    return _jagged_like(softmax_backward(y.values(), dy.values(), dim_index - 1, dtype), y)
 
 
 def _torch_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

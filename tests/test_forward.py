@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
+from conftest import BACKWARD_TOLERANCE, DTYPES, ODD_SHAPE, TOLERANCE, launched, randn, torch_backward
 
 import helpers
 from helpers import ops
@@ -169,10 +169,34 @@ def test_cpu_tensors_on_a_gpu_machine():
         check_torchs_own(randn(33, 65, dtype=dtype).cpu(), 0, None)
 
 
-def jagged(*lengths, n_cols=6, dtype=torch.float32):
-    """A nested tensor of the jagged layout, (len(lengths), j, n_cols), and its sequences as dense tensors."""
-    sequences = [randn(length, n_cols, dtype=dtype) for length in lengths]
+def jagged(*lengths, inner=(6,), dtype=torch.float32):
+    """A nested tensor of the jagged layout, (len(lengths), j, *inner), and its sequences as dense tensors."""
+    sequences = [randn(length, *inner, dtype=dtype) for length in lengths]
     return torch.nested.nested_tensor(sequences, layout=torch.jagged), sequences
+
+
+def check_jagged(x, sequences, dim, dtype=None, dense_softmax=torch.softmax):
+    """softmax over ``dim`` of the jagged ``x``, its gradient and softmax_backward, against each of its ``sequences``
+    (dense) by ``dense_softmax``; dy for softmax_backward with offsets of its own, of the same values."""
+    dense_dim = dim - 1 if dim > 0 else dim
+    leaves = [s.clone().requires_grad_(s.is_floating_point()) for s in sequences]
+    expected = [dense_softmax(s, dense_dim, dtype) for s in leaves]
+    dy = [torch.randn_like(e) for e in expected]
+    y = helpers.softmax(x.requires_grad_(x.is_floating_point()), dim, dtype)
+    assert y.is_nested and y.shape == x.shape and y.dtype == expected[0].dtype
+    assert (y._maybe_min_seqlen, y._maybe_max_seqlen) == (x._maybe_min_seqlen, x._maybe_max_seqlen)  # kept cached
+    tolerance = TOLERANCE[x.dtype if x.is_floating_point() and dtype is None else y.dtype]
+    for got, want in zip(y.unbind(), expected, strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+    if not x.is_floating_point():
+        return
+    expected_dx = torch.autograd.grad(expected, leaves, dy)
+    dy_own_offsets = torch.nested.nested_tensor(dy, layout=torch.jagged)
+    (dx,) = torch.autograd.grad(y, x, torch.nested.nested_tensor_from_jagged(torch.cat(dy), x.offsets()))
+    for dx_nested in (dx, helpers.softmax_backward(y.detach(), dy_own_offsets, dim, x.dtype)):
+        assert dx_nested.is_nested and dx_nested.shape == x.shape and dx_nested.dtype == x.dtype
+        for got, want in zip(dx_nested.unbind(), expected_dx, strict=True):
+            torch.testing.assert_close(got, want, **BACKWARD_TOLERANCE[x.dtype])
 
 
 @pytest.mark.parametrize("dim", [-1, 2, 1, -2])
@@ -180,26 +204,71 @@ def jagged(*lengths, n_cols=6, dtype=torch.float32):
 def test_jagged_nested_tensors(monkeypatch, dim, dtype):
     """Sequences of any length in a nested tensor of the jagged layout, (batch, j, n): each sequence's softmax, over
     its columns (dim 2) from the tensor's values, over its own length (dim 1, the ragged dim) each sequence padded
-    with -inf, by the kernels (torch.softmax is never called), forward, gradient and softmax_backward. (torch 2.13's
-    own gradient over the ragged dim is not: it sums y * dy along each row, as for a softmax over the last dim.)"""
+    with -inf, forward, gradient and softmax_backward by the kernels: torch's softmax and backward are never called,
+    and forward and backward kernels are launched. (torch 2.13's own gradient over the ragged dim is not each
+    sequence's: it sums y * dy along each row, as for a softmax over the last dim.)"""
     x, sequences = jagged(3, 0, 5, 1, dtype=dtype)
-    dense_dim = dim - 1 if dim > 0 else dim
-    leaves = [s.clone().requires_grad_() for s in sequences]
-    expected = [torch.softmax(s, dense_dim) for s in leaves]
-    dy = [torch.randn_like(s) for s in sequences]
-    expected_dx = torch.autograd.grad(expected, leaves, dy)
-    monkeypatch.setattr(torch, "softmax", None)  # the kernels, not torch
+    dense_softmax = torch.softmax
+    monkeypatch.setattr(helpers.recipes, "_recipes", {})
+    for name in ("softmax", "_softmax_backward_data"):  # the kernels, not torch
+        monkeypatch.setattr(torch, name, None)
+    check_jagged(x, sequences, dim, dense_softmax=dense_softmax)
+    assert any("backward" in kernel for kernel in launched()) and any("backward" not in k for k in launched())
+
+
+@pytest.mark.parametrize("inner, dim", [((3, 5), 1), ((3, 5), 2), ((3, 5), -1), ((), 1), ((), -1)])
+def test_jagged_nested_tensors_of_other_ranks(inner, dim):
+    """Jagged tensors of rank 4 (batch, j, 3, 5) and 2 (batch, j): every dim but the batch's."""
+    check_jagged(*jagged(2, 4, 1, inner=inner), dim)
+
+
+@pytest.mark.parametrize("x_dtype, dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float64),
+                                            (torch.int64, torch.float32), (torch.bool, torch.float32)])
+@pytest.mark.parametrize("dim", [1, 2])
+def test_jagged_nested_tensors_with_a_dtype(x_dtype, dtype, dim):
+    """``dtype`` as torch's: integers and bools cast before the padding (a padded uint8 or bool cannot hold -inf)."""
+    sequences = [(randn(n, 4) > 0).to(x_dtype) if not x_dtype.is_floating_point else randn(n, 4, dtype=x_dtype)
+                 for n in (3, 1, 2)]
+    check_jagged(torch.nested.nested_tensor(sequences, layout=torch.jagged), sequences, dim, dtype)
+
+
+def test_jagged_second_order_over_the_sequence_dim():
+    """The gradient over the ragged dim is differentiable again (a gradient penalty), as each sequence's is."""
+    x, sequences = jagged(3, 2, dtype=torch.float64)
+    w = torch.randn(5, 6, dtype=torch.float64, device=helpers.DEVICE)
     x.requires_grad_()
-    y = helpers.softmax(x, dim)
-    assert y.is_nested and y.shape == x.shape and y.dtype == dtype
-    for got, want in zip(y.unbind(), expected, strict=True):
-        torch.testing.assert_close(got, want, **TOLERANCE[dtype])
-    dy_nested = torch.nested.nested_tensor_from_jagged(torch.cat(dy), x.offsets())
-    (dx,) = torch.autograd.grad(y, x, dy_nested)
-    for dx_nested in (dx, helpers.softmax_backward(y.detach(), dy_nested, dim)):
-        assert dx_nested.is_nested and dx_nested.shape == x.shape
-        for got, want in zip(dx_nested.unbind(), expected_dx, strict=True):
-            torch.testing.assert_close(got, want, **BACKWARD_TOLERANCE[dtype])
+    (dx,) = torch.autograd.grad(helpers.softmax(x, 1), x, torch.nested.nested_tensor_from_jagged(w, x.offsets()),
+                                create_graph=True)
+    (ddx,) = torch.autograd.grad(dx.values().square().sum(), x)
+    leaves = [s.clone().requires_grad_() for s in sequences]
+    dense_dx = torch.autograd.grad([torch.softmax(s, 0) for s in leaves], leaves, list(w.split([3, 2])),
+                                   create_graph=True)
+    expected = torch.autograd.grad(sum(d.square().sum() for d in dense_dx), leaves)
+    torch.testing.assert_close(ddx.values(), torch.cat(expected))
+
+
+def test_jagged_empty_sequence_under_anomaly_detection():
+    """An empty sequence leaves no NaN in the padded softmax over the sequence dim, which anomaly mode would flag."""
+    x, sequences = jagged(3, 0, 2, dtype=torch.float64)
+    with torch.autograd.detect_anomaly():
+        y = helpers.softmax(x.requires_grad_(), 1)
+        (dx,) = torch.autograd.grad(y.values().sum(), x)
+    assert torch.isfinite(dx.values()).all()
+
+
+def test_jagged_backward_needs_the_same_lengths():
+    x, _ = jagged(3, 2)
+    y = helpers.softmax(x, 1)
+    with pytest.raises(ValueError, match="sequences of the same lengths"):
+        helpers.softmax_backward(y, jagged(2, 3)[0], 1)
+
+
+def test_jagged_on_another_device(monkeypatch):
+    """A jagged tensor the kernels cannot reach (a CPU one on a GPU machine) takes the same values and padding paths,
+    with torch's dense softmax: each sequence's gradient over the ragged dim too."""
+    monkeypatch.setattr(ops, "_on_kernel_device", lambda t: False)
+    for dim in (1, 2, -1):
+        check_jagged(*jagged(3, 0, 5, dtype=torch.float64), dim)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
@@ -234,7 +303,7 @@ def test_repeat_calls_of_a_layout(monkeypatch, make_input, dim):
     dy = randn(*x.shape, dtype=x.dtype)
     helpers.softmax_backward(helpers.softmax_forward(x, dim), dy, dim)
     checks = []
-    monkeypatch.setattr(ops, "_check_tensor", lambda *args: checks.append(args))
+    monkeypatch.setattr(ops, "_check_tensor", lambda *args, **kwargs: checks.append(args))
     for _ in range(2):  # new values, the same layouts
         x = make_input()
         y = check_forward(x, dim)
