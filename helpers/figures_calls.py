@@ -11,6 +11,7 @@ from .bench import select
 from .bench_calls import DECODE_M, HOST_SHAPES, DimResult, Latency, load_latency, load_other_dims
 from .everyday import EverydayResult, load_everyday
 from .figures import STYLE
+from .plans import TILES_PER_SM
 
 HOST_TARGET_US = 12  # the course's target: QuACK's host time per call on the H100 when the target was set
 
@@ -179,9 +180,48 @@ def turned_figure(rows: list[dict]):
     return fig
 
 
+def load_small_calls() -> list[dict]:
+    """The recorded probe of small calls (results/README.md, "Small calls"): each call's tile as planned before
+    ``plans.spread_tiles``, spread to 2, 4 or 8 tiles an SM, and torch."""
+    import csv
+
+    from .bench import RESULTS_DIR
+
+    with (RESULTS_DIR / "nvidia-h100-80gb-hbm3-small-calls.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def small_calls_figure(rows: list[dict], kept: str):
+    """Notebook 07: each small call's GPU time over torch's, with the plan's tile and with the ``kept`` spread, against
+    the call's elements, forward and backward."""
+    import matplotlib.pyplot as plt
+
+    us = {(r["dtype"], int(r["n_rows"]), int(r["n_cols"]), r["phase"], r["impl"]): float(r["us"]) for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
+    for ax, phase in zip(axes, ("forward", "backward"), strict=True):
+        for impl, label, colour in (("plan before", "the plan's tile", "tab:gray"),
+                                    (kept, f"spread tiles ({kept})", STYLE["helpers"][1])):
+            for dtype, marker in (("float32", "o"), ("bfloat16", "s")):
+                calls = [key for key in us if key[3:] == (phase, impl) and key[0] == dtype]
+                ax.scatter([n_rows * n_cols for _, n_rows, n_cols, *_ in calls],
+                           [us[key] / us[(*key[:4], "torch")] for key in calls], marker=marker, color=colour,
+                           alpha=0.7, s=22, label=f"{label}, {dtype}")
+        ax.axhline(1.0, color=STYLE["torch"][1], linewidth=1, label=STYLE["torch"][0])
+        ax.set_xscale("log")
+        ax.set_xlabel("elements in the call")
+        ax.set_title(phase)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GPU time / torch's (below 1: faster)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"short rows, few tiles: recorded on {rows[0]['gpu']}, {rows[0]['date']}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def images() -> dict:
     """Notebook 07's files in images/ and their figures."""
     latency = load_latency()
     return {"07_latency.png": latency_figure(latency), "07_host.png": host_figure(latency),
             "07_other_dims.png": other_dims_figure(load_other_dims()),
-            "07_everyday.png": everyday_figure(load_everyday()), "07_turned.png": turned_figure(load_turned())}
+            "07_everyday.png": everyday_figure(load_everyday()), "07_turned.png": turned_figure(load_turned()),
+            "07_small_calls.png": small_calls_figure(load_small_calls(), f"{TILES_PER_SM} tiles an SM")}

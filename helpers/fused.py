@@ -33,6 +33,8 @@ def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: plans.Plan | None) ->
     planned = plan is None
     plan = plan or plans.plan_for(n_cols, "forward", x.element_size())
     if plan.segments == 1:
+        if planned:
+            plan = plans.spread_tiles(plan, n_rows, residency.sm_count(x.device))
         return _tile_recipe(tiles.softmax_tile_kernel, (y, x), ints, plan)
     if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
         recipe = _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, plan, planned)
@@ -51,6 +53,8 @@ def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: p
     planned = plan is None
     plan = plan or plans.plan_for(n_cols, "backward", y.element_size())
     if plan.segments == 1:
+        if planned:
+            plan = plans.spread_tiles(plan, n_rows, residency.sm_count(y.device))
         return _tile_recipe(tiles.softmax_backward_tile_kernel, (dx, y, dy), ints, plan)
     if torch.float64 not in (y.dtype, dy.dtype):
         recipe = _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, plan, planned)

@@ -3,7 +3,7 @@ for a few rows over a long row, more pieces."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .residency import REGISTER_BUDGET
 
@@ -90,6 +90,26 @@ def tile_plan(n_cols: int) -> Plan:
     rows = max(1, TILE_ELEMENTS // block)
     warps = max(1, min(16, rows * block // (32 * ELEMENTS_PER_THREAD)))
     return Plan(rows, block, 1, warps)
+
+
+# A call of few short rows fills few tiles: a tile of TILE_ELEMENTS leaves 64 rows of 10 one program on one SM, whose
+# 16 loads and exps a thread then set the time (a 3.2 us kernel against torch's 1.5 on an H100), and 100000 rows of 3
+# 391 programs of 2 warps, 6 warps an SM to wait on DRAM. Where a call has fewer than TILES_PER_SM tiles for each SM,
+# its tiles take fewer rows, halved until it has that many or a tile is one row, on at least SPREAD_WARPS warps
+# (notebook 07; results/README.md, "Small calls": 2 or 8 tiles an SM did less well).
+TILES_PER_SM = 4
+SPREAD_WARPS = 4
+
+
+def spread_tiles(plan: Plan, n_rows: int, sms: int) -> Plan:
+    """``plan``'s tile for a call of ``n_rows`` rows on a GPU of ``sms`` SMs: as planned where the call has at least
+    TILES_PER_SM tiles an SM, else fewer rows a tile on at least SPREAD_WARPS warps."""
+    rows, enough = plan.rows, TILES_PER_SM * sms
+    if cdiv(n_rows, rows) >= enough:
+        return plan
+    while rows > 1 and cdiv(n_rows, rows) < enough:
+        rows //= 2
+    return replace(plan, rows=rows, num_warps=max(plan.num_warps, SPREAD_WARPS))
 
 
 def widest_piece(n_cols: int, phase: str, element_size: int, align: int) -> int:

@@ -47,12 +47,21 @@ CPU_PROGRAMS = 4  # under the interpreter: a small persistent grid, so every ker
 # Triton's interpreter counts as a GPU that holds this many programs, so that on CPU long rows take the two-pass
 # kernels as a small GPU would
 CPU_RESIDENT_PROGRAMS = 64
+# ... and as a GPU of this many SMs, so that a small call spreads its tiles (``plans.spread_tiles``) as on a GPU
+CPU_SMS = 4
 REGISTER_BUDGET = 128  # per thread: 16 one-warp programs (8 two-warp ones) fit an SM's 65536 registers
 # An SM's registers (65536 on every NVIDIA GPU since compute capability 3.0), and the most a thread can take (255),
 # as they are allocated (a warp's in units of 256): at that most an SM still holds 8 warps.
 REGISTERS_PER_SM = 65536
 MOST_REGISTERS = 256
 _resources_cache: dict[tuple, Resources] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of ``device``'s GPU (CPU_SMS under the interpreter)."""
+    if INTERPRET:
+        return CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compile_options(num_warps: int, max_registers: int | None) -> dict:

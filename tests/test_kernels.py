@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
+from conftest import BACKWARD_TOLERANCE, DTYPES, ODD_SHAPE, TOLERANCE, randn, torch_backward
 
 import helpers
 from helpers import fused, kernels, plans, residency
@@ -43,6 +43,43 @@ def test_plans_cover_the_row(phase, n_cols, element_size):
     assert plan.rows * plan.block_n <= max(plans.TILE_ELEMENTS, plan.block_n)
     assert 1 <= plan.num_warps <= 16
     assert plan.persistent == (plan.segments > 1)  # a split must be persistent (all its programs resident)
+
+
+def test_small_calls_spread_their_tiles():
+    """On an H100's 132 SMs: 64 rows of 10 (one tile of 64 rows) take 64 one-row tiles on 4 warps; 16384 rows of 8
+    (128 tiles of 128 rows) 1024 tiles of 16 rows; 100000 rows of 3 (391 tiles) 782 of 128; 200000 rows of 3 (782
+    tiles) and rows of 16384 (16 warps a row) keep their plan."""
+    h100 = 132
+    assert plans.spread_tiles(plans.tile_plan(10), 64, h100) == plans.Plan(1, 16, 1, plans.SPREAD_WARPS)
+    assert plans.spread_tiles(plans.tile_plan(8), 16384, h100) == plans.Plan(16, 8, 1, plans.SPREAD_WARPS)
+    assert plans.spread_tiles(plans.tile_plan(3), 100000, h100) == plans.Plan(128, 4, 1, plans.SPREAD_WARPS)
+    for n_rows, n_cols in ((200000, 3), (8, 16384)):
+        assert plans.spread_tiles(plans.tile_plan(n_cols), n_rows, h100) == plans.tile_plan(n_cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_small_call_launches_spread_tiles(phase, dtype):
+    """A call of 64 rows of 10 launches the tile ``spread_tiles`` gives it on this device (CPU_SMS under the
+    interpreter), fewer rows than the plan's, and writes every element right."""
+    x = randn(64, 10, dtype=dtype)
+    y = torch.softmax(x, -1)
+    out = torch.full_like(x, float("nan"))
+    if phase == "forward":
+        (step,) = fused.forward_recipe(out, x, None).steps
+        fused.launch_rows_forward(x, out)
+        expected = y
+    else:
+        dy = randn(64, 10, dtype=dtype)
+        (step,) = fused.backward_recipe(out, y, dy, None).steps
+        fused.launch_rows_backward(y, dy, out)
+        expected = torch_backward(y, dy, -1)
+    plan = plans.plan_for(10, phase, x.element_size())
+    spread = plans.spread_tiles(plan, 64, residency.sm_count(x.device))
+    assert (step.constexprs["ROWS"], step.num_warps) == (spread.rows, spread.num_warps)
+    assert spread.rows < plan.rows and step.grid <= plans.cdiv(64, spread.rows)
+    tolerance = (TOLERANCE if phase == "forward" else BACKWARD_TOLERANCE)[dtype]
+    torch.testing.assert_close(out.to(expected.dtype), expected, **tolerance)
 
 
 @pytest.mark.parametrize("shape", [(23, 50), (1024, 8)])  # split rows (pieces of 32 under `looped`), tiles
