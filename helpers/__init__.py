@@ -19,6 +19,8 @@ Public API:
       split_rows, exchange   a long row split among programs that exchange partials
       two_pass               rows too long for a split's programs to be resident together
       columns, column_split  softmax over another dim of a contiguous tensor, in place (notebook 07)
+      turned                 a dim held in the other order than the output's: channels-last, transposed (notebook 07)
+      nested                 jagged nested tensors, through their values (notebook 07)
       plans, residency       the shape for a row length; how many programs the GPU holds at once
       fused, recipes         which kernels a call takes (launch_rows_forward/backward); launching them, cached
       steps                  notebook 06's steps, each runnable alone, and the GPU numbers that explain them

@@ -4,24 +4,25 @@ Any rank and dim. Softmax over another dim than the last of contiguous tensors t
 (``helpers.columns``: held whole, split into pieces that exchange partials (``helpers.column_split``), or taken in
 two passes), and its output is laid out as its input. A dim held whole whose elements lie next to each other in the
 input but not in torch's output (channels-last activations over their channels), or the other way round (a transposed
-x over its last dim), takes turned tiles (``columns.takes_turned``). Otherwise the softmax dim is moved last and the
+x over its last dim), takes turned tiles (``turned.takes``). Otherwise the softmax dim is moved last and the
 rest flattened into rows, a view when strides allow it and a copy otherwise, and the output is fresh contiguous rows
 in the input's shape, contiguous as torch's (a copy where the dim was not last). Inputs are never written.
 
-Nested tensors of the jagged layout run on the kernels through their values (below). What the kernels do not take and
-torch does (a tensor on another device than theirs, a meta tensor, other nested tensors) gets torch's own softmax.
+Nested tensors of the jagged layout run on the kernels through their values (``helpers.nested``). What the kernels do
+not take and torch does (a tensor on another device than theirs, a meta tensor, other nested tensors) gets torch's own
+softmax.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 from torch.autograd import forward_ad
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from torch.nested._internal.nested_tensor import nested_view_from_values_offsets
 
-from . import columns, fused, kernels, plans, recipes
+from . import columns, fused, kernels, nested, plans, recipes, turned
 from .device import DEVICE, INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -147,9 +148,9 @@ def _forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
             return _eager_softmax_op(x, dim, dtype)  # traced: opaque (below)
         columns.launch_columns_forward(x, y, dim)
         return y
-    if columns.takes_turned(dim, x):
+    if turned.takes(dim, x):
         y = _new_contiguous_output(x, dtype)
-        columns.launch_turned_forward(x, y, dim)
+        turned.launch_forward(x, y, dim)
         return y
     x_rows = _rows(x, dim)
     y_rows = _new_rows(*x_rows.shape, like=x, dtype=dtype)
@@ -169,9 +170,9 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -
             return _eager_softmax_backward_op(y, dy, dim, dtype)
         columns.launch_columns_backward(y, dy, dx, dim)
         return dx
-    if columns.takes_turned(dim, y, dy):
+    if turned.takes(dim, y, dy):
         dx = _new_contiguous_output(y, dtype)
-        columns.launch_turned_backward(y, dy, dx, dim)
+        turned.launch_backward(y, dy, dx, dim)
         return dx
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
     dx_rows = _new_rows(*y_rows.shape, like=y, dtype=dtype)
@@ -212,7 +213,7 @@ def _runs_eager(phase: str, dim: int, t: torch.Tensor, *others: torch.Tensor) ->
     """Whether a traced call over ``dim`` of ``t`` (and ``others``) is recorded as an opaque operator (above)."""
     if _symbolic(t, *others):
         return True
-    if t.numel() == 0 or columns.takes_columns(dim, t, *others) or columns.takes_turned(dim, t, *others):
+    if t.numel() == 0 or columns.takes_columns(dim, t, *others) or turned.takes(dim, t, *others):
         return False
     n_cols = t.shape[dim] if t.ndim else 1  # a 0-d tensor is one row of one element
     return plans.plan_for(n_cols, phase, t.element_size()).max_registers is not None
@@ -285,7 +286,7 @@ def _remember(key: tuple, call) -> None:
 def _forward_call(x: torch.Tensor, dim: int, dtype: torch.dtype):
     """What a plain forward call of ``x``'s layout does from now on: ``_forward``, or for a tensor with a new tensor's
     strides, softmax over its last dim (contiguous rows) or down its columns (``columns.takes_columns``), or for
-    turned tiles (``columns.takes_turned``), the recipe launched on ``x`` into ``y``, by default a new output of
+    turned tiles (``turned.takes``), the recipe launched on ``x`` into ``y``, by default a new output of
     ``dtype`` in torch's layout. Also the output the recipe was planned with (else None), for this first call to
     write into."""
     recipe, new_output = None, _new_output
@@ -296,9 +297,9 @@ def _forward_call(x: torch.Tensor, dim: int, dtype: torch.dtype):
             recipe = recipes.recipe_for(fused.forward_recipe, (_rows(first_y, dim), _rows(x, dim)))
         else:
             recipe = recipes.recipe_for(columns.forward_recipe, (first_y, x), dim)
-    elif x.numel() and columns.takes_turned(dim, x):
+    elif x.numel() and turned.takes(dim, x):
         first_y, new_output = _new_contiguous_output(x, dtype), _new_contiguous_output
-        recipe = recipes.recipe_for(columns.turned_forward_recipe, (first_y, x), dim)
+        recipe = recipes.recipe_for(turned.forward_recipe, (first_y, x), dim)
     if recipe is None:
         return (lambda x, x_ptr, y=None: _forward(x, dim, dtype)), None
     device = x.get_device()
@@ -322,9 +323,9 @@ def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dty
             recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
         else:
             recipe = recipes.recipe_for(columns.backward_recipe, (first_dx, y, dy), dim)
-    elif y.numel() and columns.takes_turned(dim, y, dy):
+    elif y.numel() and turned.takes(dim, y, dy):
         first_dx, new_output = _new_contiguous_output(y, dtype), _new_contiguous_output
-        recipe = recipes.recipe_for(columns.turned_backward_recipe, (first_dx, y, dy), dim)
+        recipe = recipes.recipe_for(turned.backward_recipe, (first_dx, y, dy), dim)
     if recipe is None:
         return (lambda y, dy, y_ptr, dy_ptr, dx=None: _backward(y, dy, dim, dtype)), None
     device = y.get_device()
@@ -464,77 +465,23 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     return call(y, dy, y_ptr, dy_ptr, dx)
 
 
-# Nested tensors of the jagged layout, (batch, sequence, ...) with sequences of any length, hold their elements in one
-# dense tensor, ``t.values()`` (sum of the lengths, ...), which softmax takes as any dense tensor (the kernels, or
-# torch's softmax on another device). Over a dim after the sequence dim, that is the values' softmax over their dim one
-# lower. Over the sequence dim, each sequence is padded to the longest (with -inf, whose exp adds 0 to every sum; y and
-# dy with 0) and taken back out, by indexing, which autograd differentiates (twice, too). torch 2.13's own gradient
-# there is wrong: it sums y * dy along each row, as for the last dim. Any other nested tensor (softmax over the batch
-# dim, the strided layout, holes, a transposed jagged tensor whose ragged dim moved) is torch's own softmax.
-def _jagged_whole(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a jagged tensor whose sequence dim is dim 1 and whose values hold nothing but its sequences."""
-    return t.is_nested and t.layout == torch.jagged and t._ragged_idx == 1 and t.lengths() is None
-
-
-def _jagged_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The jagged tensor of ``like``'s sequences over ``values``: the view torch's own jagged ops build (its public
-    ``nested_tensor_from_jagged`` logs a warning meant for torch.fx at its first call, in torch 2.13). It keeps the
-    shortest and longest lengths ``like`` has cached, so that padding it later needs no sync, but not while
-    torch.compile traces (AOTAutograd's record of the output's parts then disagrees with what runs, in torch 2.13)."""
-    if torch.compiler.is_compiling():
-        return nested_view_from_values_offsets(values, like.offsets())
-    return nested_view_from_values_offsets(values, like.offsets(), min_seqlen=like._maybe_min_seqlen,
-                                           max_seqlen=like._maybe_max_seqlen)
-
-
-def _sequence_positions(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each of ``t.values()``'s rows' sequence and place in it (no host sync)."""
-    offsets = t.offsets()
-    n_values = t.values().shape[0]
-    sequence = torch.repeat_interleave(torch.arange(t.shape[0], device=offsets.device), offsets.diff(),
-                                       output_size=n_values)
-    return sequence, torch.arange(n_values, device=offsets.device) - offsets[sequence]
-
-
-def _padded(t: torch.Tensor, fill: float) -> torch.Tensor:
-    """``t``'s sequences in a dense (batch, longest sequence, ...) tensor, ``fill`` past each one's end."""
-    values = t.values()
-    padded = values.new_full((t.shape[0], t._max_seqlen, *values.shape[1:]), fill)
-    if fill == float("-inf") and padded.shape[1]:  # an empty sequence: one 0, not a column of -inf whose softmax,
-        empty = (t.offsets().diff() == 0).view(-1, *[1] * (values.ndim - 1))  # unused, is NaN (anomaly mode's alarm)
-        padded[:, 0] = torch.where(empty, 0.0, fill)
-    return padded.index_put(_sequence_positions(t), values)
-
-
-def _unpadded(padded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The jagged tensor of ``like``'s sequences, from ``padded`` (batch, longest sequence, ...)."""
-    return _jagged_like(padded[_sequence_positions(like)], like)
-
-
 def _nested_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
     dim_index = _dim_index(dim, x.dim())
-    if dim_index == 0 or not _jagged_whole(x):
+    if not nested.takes_kernels(x, dim_index):
         return torch.softmax(x, dim, dtype)
-    if dim_index == 1:
-        return _unpadded(softmax(_padded(x, float("-inf")), 1, dtype), x)
-    return _jagged_like(softmax(x.values(), dim_index - 1, dtype), x)
+    return nested.softmax(x, dim_index, functools.partial(softmax, dtype=dtype))
 
 
 def _nested_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     dim_index = _dim_index(dim, y.dim())
-    if dim_index == 0 or not (_jagged_whole(y) and _jagged_whole(dy)):
+    if not (nested.takes_kernels(y, dim_index) and nested.takes_kernels(dy, dim_index)):
         return _torch_backward(y, dy, dim, dtype)
-    if y.shape[0] != dy.shape[0] or y.shape[2:] != dy.shape[2:] or not torch.equal(y.offsets(), dy.offsets()):
-        raise ValueError(f"y and dy must hold sequences of the same lengths and shapes, got {y.offsets().diff()} x "
-                         f"{tuple(y.shape[2:])} and {dy.offsets().diff()} x {tuple(dy.shape[2:])}")
-    if dim_index == 1:
-        return _unpadded(softmax_backward(_padded(y, 0.0), _padded(dy, 0.0), 1, dtype), y)
-    return _jagged_like(softmax_backward(y.values(), dy.values(), dim_index - 1, dtype), y)
+    return nested.softmax_backward(y, dy, dim_index, functools.partial(softmax_backward, dtype=dtype))
 
 
 def _torch_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """``softmax_backward`` where the kernels do not run (meta tensors, another device than theirs, the nested
-    tensors above): torch's own backward, in the precision the kernels compute in, then ``dtype``."""
+    """``softmax_backward`` where the kernels do not run (meta tensors, another device than theirs, nested tensors
+    ``nested.takes_kernels`` refuses): torch's own backward, in the precision the kernels compute in, then ``dtype``."""
     wide = kernels.compute_dtype(y, dy)
     dx = torch._softmax_backward_data(dy.to(wide), y.to(wide), dim, wide).to(dtype)
     return dx if dx.is_nested else _in_torch_layout(dx.contiguous())

@@ -97,9 +97,8 @@ def layout_inputs(path: str, count: int) -> list:
 
 def assert_path(path: str, dim: int, *tensors: torch.Tensor) -> None:
     """That a call over ``dim`` of ``tensors`` takes ``path``'s kernels (``LAYOUT_PATHS``)."""
-    columns, turned = path in ("held-columns", "split-columns"), path == "turned"
-    assert helpers.columns.takes_columns(dim, *tensors) == columns
-    assert helpers.columns.takes_turned(dim, *tensors) == turned
+    assert helpers.columns.takes_columns(dim, *tensors) == (path in ("held-columns", "split-columns"))
+    assert helpers.turned.takes(dim, *tensors) == (path == "turned")
     t = tensors[0]
     assert (t.ndim > 0 and t.shape[dim] > helpers.columns.MAX_HELD) == (path == "split-columns")
 

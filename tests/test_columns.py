@@ -18,7 +18,7 @@ from conftest import (
 )
 
 import helpers
-from helpers import columns, recipes, residency
+from helpers import columns, recipes, residency, turned
 
 # (shape, dim): a short class dim, a dim of 1, an odd dim over odd columns, the longest dim held, a leading dim
 # the two passes' running sum rounds once per block of rows: fp32 a little looser than TOLERANCE; the same for the
@@ -446,7 +446,7 @@ TURNED = [
     pytest.param(lambda t: t.t().contiguous().t(), (40, 9), 0, id="transposed-dim-0"),
     pytest.param(lambda t: t.contiguous(memory_format=torch.channels_last).expand(3, -1, -1, -1), (1, 6, 4, 5), 1,
                  id="expanded"),
-    pytest.param(lambda t: t.t().contiguous().t(), (columns.TURNED_LONG + 3, 17), -1, id="long-transposed"),
+    pytest.param(lambda t: t.t().contiguous().t(), (turned.LONG + 3, 17), -1, id="long-transposed"),
 ]
 
 
@@ -468,7 +468,7 @@ def test_turned_values_and_layout(monkeypatch, make, shape, dim, dtype):
     t = randn(*shape, dtype=dtype)
     t.view(-1)[::7] = float("-inf")
     x = make(t)
-    assert columns.takes_turned(dim % x.ndim, x) and not x.is_contiguous()
+    assert turned.takes(dim % x.ndim, x) and not x.is_contiguous()
     long = x.shape[dim] > 1000  # sums of that many: the long dims' tolerance in fp32
     expected = torch.softmax(x, dim)
     for _ in range(2):
@@ -476,7 +476,7 @@ def test_turned_values_and_layout(monkeypatch, make, shape, dim, dtype):
                                    **(LONG_TOLERANCE if long else TOLERANCE)[dtype])
     y = turned_like(torch.softmax(x.double(), dim).nan_to_num(0.0).to(dtype), x)
     dy = turned_like(randn(*x.shape, dtype=dtype, scale=1.0), x)
-    assert columns.takes_turned(dim % x.ndim, y, dy)
+    assert turned.takes(dim % x.ndim, y, dy)
     dx = helpers.softmax_backward(y, dy, dim)
     torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim),
                                **(LONG_BACKWARD_TOLERANCE if long else BACKWARD_TOLERANCE)[dtype])
@@ -511,7 +511,7 @@ def test_turned_autograd():
 
 
 @pytest.mark.parametrize("make_input, dim", [
-    (lambda: randn(2, columns.TURNED_MAX_HELD + 1, 2, 3).contiguous(memory_format=torch.channels_last), 1),  # long
+    (lambda: randn(2, turned.MAX_HELD + 1, 2, 3).contiguous(memory_format=torch.channels_last), 1),  # long
     (lambda: randn(2, columns.TURNED_MAX_HELD_FP64 + 1, 3, dtype=torch.float64).transpose(1, 2), 2),
     (lambda: randn(6, 5, 4).transpose(0, 2), 1),  # no run of either axis: the rows' copies
     (lambda: randn(5, 7)[:, :4], 1),  # rows whose elements lie next to each other: the rows
@@ -521,7 +521,7 @@ def test_turned_autograd():
 ])
 def test_other_calls_do_not_turn(make_input, dim):
     x = make_input()
-    assert not columns.takes_turned(dim, x)
+    assert not turned.takes(dim, x)
     torch.testing.assert_close(helpers.softmax_forward(x, dim), torch.softmax(x, dim), check_stride=True,
                                **TOLERANCE[x.dtype])
 
@@ -529,13 +529,13 @@ def test_other_calls_do_not_turn(make_input, dim):
 def test_turned_view():
     """(outer, inner, R) sizes and strides; dims of 1 anywhere; dims that do not collapse; 32-bit spans."""
     x = torch.empty(4, 21, 6, 5, device="meta").contiguous(memory_format=torch.channels_last)
-    assert columns.turned_view(x, 1) == (4, 30, 630, 21, 1)
-    assert columns.turned_view(torch.empty(9, 40, device="meta").t(), 1) == (1, 40, 0, 1, 40)
-    assert columns.turned_view(torch.empty(3, 1, 5, 1, 7, device="meta"), 2) == (3, 7, 35, 1, 7)
-    assert columns.turned_view(torch.empty(4, 5, 6, device="meta").permute(1, 0, 2), 2) is None
-    assert columns.turned_view(torch.empty(2**20, 2**11 + 1, device="meta").t(), 1) is None
-    assert columns.turned_view(torch.empty(2**20, 2**11 - 1, device="meta").t(), 1) is not None
+    assert turned.view(x, 1) == (4, 30, 630, 21, 1)
+    assert turned.view(torch.empty(9, 40, device="meta").t(), 1) == (1, 40, 0, 1, 40)
+    assert turned.view(torch.empty(3, 1, 5, 1, 7, device="meta"), 2) == (3, 7, 35, 1, 7)
+    assert turned.view(torch.empty(4, 5, 6, device="meta").permute(1, 0, 2), 2) is None
+    assert turned.view(torch.empty(2**20, 2**11 + 1, device="meta").t(), 1) is None
+    assert turned.view(torch.empty(2**20, 2**11 - 1, device="meta").t(), 1) is not None
     # an x whose zero strides span little, into an output whose offsets would pass 32 bits
-    assert columns.turned_view(torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**30), 1) == (1, 2**30, 0, 0, 1)
-    assert not columns.takes_turned(1, torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**30))
-    assert columns.takes_turned(1, torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**29))
+    assert turned.view(torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**30), 1) == (1, 2**30, 0, 0, 1)
+    assert not turned.takes(1, torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**30))
+    assert turned.takes(1, torch.empty(1, 4, 1, device="meta").expand(1, 4, 2**29))

@@ -56,7 +56,7 @@ def test_contiguous_input_gives_torchs_layout(monkeypatch, shape, dim, dtype):
     """Where neither the column kernels nor turned tiles take the call, the rows' result is copied back into torch's
     layout, contiguous as the input, and so is the gradient."""
     monkeypatch.setattr(helpers.columns, "takes_columns", lambda *args: False)
-    monkeypatch.setattr(helpers.columns, "takes_turned", lambda *args: False)
+    monkeypatch.setattr(helpers.turned, "takes", lambda *args: False)
     x = randn(*shape, dtype=dtype).requires_grad_()
     y = check_forward(x, dim)
     assert y.stride() == torch.softmax(x, dim).stride() == x.stride()

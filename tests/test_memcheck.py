@@ -42,9 +42,9 @@ for shape in ((3, 700, 45), (2, 3001, 2301)):
         torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).float(),
                                    reference.softmax_backward(y.float(), dy.float(), 1), atol=1e-2, rtol=2e-2)
 print("other dims checked:", 4)
-# turned tiles: channels-last classes (short, and past TURNED_LONG: not fp64's), a transposed x over its last dim
-from helpers import columns
-turned = 0
+# turned tiles: channels-last classes (short, and past turned.LONG: not fp64's), a transposed x over its last dim
+from helpers import turned
+turned_checked = 0
 every_dtype, no_fp64 = (torch.float32, torch.bfloat16, torch.float64), (torch.float32, torch.bfloat16)
 for shape, dim, layout, dtypes in (((2, 21, 9, 7), 1, "channels_last", every_dtype),
                                    ((1, 2051, 3, 5), 1, "channels_last", no_fp64),
@@ -55,11 +55,11 @@ for shape, dim, layout, dtypes in (((2, 21, 9, 7), 1, "channels_last", every_dty
         y = helpers.softmax_forward(x, dim)
         torch.testing.assert_close(y.float(), torch.softmax(x.float(), dim), atol=1e-2, rtol=2e-2)
         y, dy = torch.empty_like(x).copy_(y), torch.randn_like(x)  # y and dy laid out as x, as autograd hands them
-        assert columns.takes_turned(dim, x) and columns.takes_turned(dim, y, dy), (shape, layout)
+        assert turned.takes(dim, x) and turned.takes(dim, y, dy), (shape, layout)
         torch.testing.assert_close(helpers.softmax_backward(y, dy, dim).float(),
                                    reference.softmax_backward(y.float(), dy.float(), dim), atol=1e-2, rtol=2e-2)
-        turned += 1
-print("turned checked:", turned)
+        turned_checked += 1
+print("turned checked:", turned_checked)
 """
 
 
