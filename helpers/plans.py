@@ -93,19 +93,20 @@ def tile_plan(n_cols: int) -> Plan:
 
 
 # A call of few short rows fills few tiles: a tile of TILE_ELEMENTS leaves 64 rows of 10 one program on one SM, whose
-# 16 loads and exps a thread then set the time (a 3.2 us kernel against torch's 1.5 on an H100), and 100000 rows of 3
-# 391 programs of 2 warps, 6 warps an SM to wait on DRAM. Where a call has fewer than TILES_PER_SM tiles for each SM,
-# its tiles take fewer rows, halved until it has that many or a tile is one row, on at least SPREAD_WARPS warps
-# (notebook 07; results/README.md, "Small calls": 2 or 8 tiles an SM did less well).
+# 16 loads and exps a thread then set the time (a 3.2 us kernel against torch's 1.5 on an H100, under the profiler),
+# and 100000 rows of 3 391 programs of 2 warps, 6 warps an SM to wait on DRAM. Where a call has fewer than TILES_PER_SM
+# tiles for each SM, its tiles take fewer rows, halved until it has that many or a tile is one row, on at least
+# SPREAD_WARPS warps (notebook 07; results/README.md, "Small calls": 2 or 8 tiles an SM did less well). A tile of one
+# row keeps its plan: more warps there measured no better (an H200, rows of 1000).
 TILES_PER_SM = 4
 SPREAD_WARPS = 4
 
 
 def spread_tiles(plan: Plan, n_rows: int, sms: int) -> Plan:
     """``plan``'s tile for a call of ``n_rows`` rows on a GPU of ``sms`` SMs: as planned where the call has at least
-    TILES_PER_SM tiles an SM, else fewer rows a tile on at least SPREAD_WARPS warps."""
+    TILES_PER_SM tiles an SM or a tile is one row, else fewer rows a tile on at least SPREAD_WARPS warps."""
     rows, enough = plan.rows, TILES_PER_SM * sms
-    if cdiv(n_rows, rows) >= enough:
+    if rows == 1 or cdiv(n_rows, rows) >= enough:
         return plan
     while rows > 1 and cdiv(n_rows, rows) < enough:
         rows //= 2

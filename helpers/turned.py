@@ -50,14 +50,14 @@ def softmax_turned_kernel(y_ptr, x_ptr, n_inner, n_reduced, y_outer_stride, y_in
                           BLOCK_C: tl.constexpr):
     """Forward: each of the block's inner positions' max m and denominator d along R, then y = exp(x - m) / d."""
     outer = tl.program_id(0).to(tl.int64) // tl.cdiv(n_inner, BLOCK_C)
-    x_at, mask = block(x_ptr, outer, (x_outer_stride, x_inner_stride, x_reduced_stride), n_inner, n_reduced,
-                              BLOCK_R, BLOCK_C)
+    x_at, mask = block(x_ptr, outer, (x_outer_stride, x_inner_stride, x_reduced_stride), n_inner, n_reduced, BLOCK_R,
+                       BLOCK_C)
     x = upcast(tl.load(x_at, mask=mask, other=float("-inf")))
     m = tl.max(x, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)  # all -inf: exp gives 0s, and 0 / 0 the NaNs torch gives
     e = tl.exp2((x - m[:, None]) * LOG2E)
-    y_at, _ = block(y_ptr, outer, (y_outer_stride, y_inner_stride, y_reduced_stride), n_inner, n_reduced,
-                           BLOCK_R, BLOCK_C)
+    y_at, _ = block(y_ptr, outer, (y_outer_stride, y_inner_stride, y_reduced_stride), n_inner, n_reduced, BLOCK_R,
+                    BLOCK_C)
     tl.store(y_at, e * (1.0 / tl.sum(e, axis=1))[:, None], mask=mask)
 
 
@@ -68,15 +68,15 @@ def softmax_backward_turned_kernel(dx_ptr, y_ptr, dy_ptr, n_inner, n_reduced, dx
                                    BLOCK_C: tl.constexpr):
     """Backward: dx = y * (dy - sum(y * dy)), the sum along R."""
     outer = tl.program_id(0).to(tl.int64) // tl.cdiv(n_inner, BLOCK_C)
-    y_at, mask = block(y_ptr, outer, (y_outer_stride, y_inner_stride, y_reduced_stride), n_inner, n_reduced,
-                              BLOCK_R, BLOCK_C)
-    dy_at, _ = block(dy_ptr, outer, (dy_outer_stride, dy_inner_stride, dy_reduced_stride), n_inner,
-                            n_reduced, BLOCK_R, BLOCK_C)
+    y_at, mask = block(y_ptr, outer, (y_outer_stride, y_inner_stride, y_reduced_stride), n_inner, n_reduced, BLOCK_R,
+                       BLOCK_C)
+    dy_at, _ = block(dy_ptr, outer, (dy_outer_stride, dy_inner_stride, dy_reduced_stride), n_inner, n_reduced,
+                     BLOCK_R, BLOCK_C)
     y = upcast(tl.load(y_at, mask=mask, other=0.0))
     dy = upcast(tl.load(dy_at, mask=mask, other=0.0))
     s = tl.sum(y * dy, axis=1)
-    dx_at, _ = block(dx_ptr, outer, (dx_outer_stride, dx_inner_stride, dx_reduced_stride), n_inner,
-                            n_reduced, BLOCK_R, BLOCK_C)
+    dx_at, _ = block(dx_ptr, outer, (dx_outer_stride, dx_inner_stride, dx_reduced_stride), n_inner, n_reduced,
+                     BLOCK_R, BLOCK_C)
     tl.store(dx_at, y * (dy - s[:, None]), mask=mask)
 
 

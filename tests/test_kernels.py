@@ -48,12 +48,12 @@ def test_plans_cover_the_row(phase, n_cols, element_size):
 def test_small_calls_spread_their_tiles():
     """On an H100's 132 SMs: 64 rows of 10 (one tile of 64 rows) take 64 one-row tiles on 4 warps; 16384 rows of 8
     (128 tiles of 128 rows) 1024 tiles of 16 rows; 100000 rows of 3 (391 tiles) 782 of 128; 200000 rows of 3 (782
-    tiles) and rows of 16384 (16 warps a row) keep their plan."""
+    tiles) and one-row tiles (rows of 1000 and 16384) keep their plan."""
     h100 = 132
     assert plans.spread_tiles(plans.tile_plan(10), 64, h100) == plans.Plan(1, 16, 1, plans.SPREAD_WARPS)
     assert plans.spread_tiles(plans.tile_plan(8), 16384, h100) == plans.Plan(16, 8, 1, plans.SPREAD_WARPS)
     assert plans.spread_tiles(plans.tile_plan(3), 100000, h100) == plans.Plan(128, 4, 1, plans.SPREAD_WARPS)
-    for n_rows, n_cols in ((200000, 3), (8, 16384)):
+    for n_rows, n_cols in ((200000, 3), (8, 1000), (8, 16384)):
         assert plans.spread_tiles(plans.tile_plan(n_cols), n_rows, h100) == plans.tile_plan(n_cols)
 
 
@@ -80,6 +80,14 @@ def test_small_call_launches_spread_tiles(phase, dtype):
     assert spread.rows < plan.rows and step.grid <= plans.cdiv(64, spread.rows)
     tolerance = (TOLERANCE if phase == "forward" else BACKWARD_TOLERANCE)[dtype]
     torch.testing.assert_close(out.to(expected.dtype), expected, **tolerance)
+
+
+def test_a_given_tile_is_launched_as_given():
+    """A plan handed to the launch (notebook 06's steps, the tuning sweeps) is not spread, however small the call."""
+    x = randn(64, 10)
+    plan = plans.tile_plan(10)
+    (step,) = fused.forward_recipe(torch.empty_like(x), x, plan).steps
+    assert (step.constexprs["ROWS"], step.num_warps) == (plan.rows, plan.num_warps) == (64, 2)
 
 
 @pytest.mark.parametrize("shape", [(23, 50), (1024, 8)])  # split rows (pieces of 32 under `looped`), tiles
