@@ -6,6 +6,7 @@ Each returns True on a pass, so tests can assert on it; none raises, so a notebo
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,16 +34,41 @@ def _with_large_values(cases: dict) -> dict:
     return {**cases, f"{label} + {LARGE_OFFSET:g}": x + LARGE_OFFSET}
 
 
+@contextmanager
+def _unwritten_as_nan():
+    """New tensors (``torch.empty``, ``empty_like``) filled with NaN while it lasts, as PyTorch fills them in
+    deterministic mode: an element a learner's kernel never writes then fails the comparison, rather than passing on
+    whatever the memory held (often 0, the value a masked entry should have)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)  # only for the fill: nothing raises
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def _last_line(error: Exception) -> str:
+    """An exception's last line, where a Triton compilation error names its cause (after the learner's source)."""
+    lines = str(error).strip().splitlines()
+    return lines[-1][:200] if lines else ""
+
+
 def _compare(name: str, fn: Callable, cases: dict, expected_fn: Callable, atol=1e-5, rtol=1e-4,
              passed: str | None = "") -> bool:
     """Whether ``fn`` matches ``expected_fn`` on every case; a fail line at the first that does not, and a pass line
-    ending in ``passed`` (none where it is None) if all do."""
+    ending in ``passed`` (none where it is None) if all do. ``fn`` gets copies of the inputs (one that writes them
+    cannot change what it is compared with) and NaN where it leaves its output unwritten."""
     for label, args in cases.items():
         args = args if isinstance(args, tuple) else (args,)
         try:
-            got = fn(*args)
+            with _unwritten_as_nan():
+                got = fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
         except Exception as error:  # a stub or a broken kernel: say so, do not stop the notebook
-            print(f"{FAIL} {name}: on {label} it raised {type(error).__name__}: {str(error)[:200]}")
+            print(f"{FAIL} {name}: on {label} it raised {type(error).__name__}: {_last_line(error)}")
             return False
         expected = expected_fn(*args)
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
@@ -58,7 +84,8 @@ def _compare(name: str, fn: Callable, cases: dict, expected_fn: Callable, atol=1
                   f"worst at {list(where)}: got {got64[where].item():.6g}, expected {expected64[where].item():.6g}")
             return False
     if passed is not None:
-        print(f"{PASS} {name}: matches PyTorch on {len(cases)} inputs ({', '.join(cases)}){passed}")
+        inputs = "1 input" if len(cases) == 1 else f"{len(cases)} inputs"
+        print(f"{PASS} {name}: matches PyTorch on {inputs} ({', '.join(cases)}){passed}")
     return True
 
 
@@ -128,7 +155,7 @@ def check_scaled_softmax(scaled_softmax: Callable[[torch.Tensor, float], torch.T
     cases[f"{label} + {LARGE_OFFSET:g}, scale = 0.125"] = (x + LARGE_OFFSET, 0.125)
     with _TorchCalls() as calls:
         try:
-            scaled_softmax(x, 0.125)
+            scaled_softmax(x.clone(), 0.125)
         except Exception:  # a stub or a broken kernel: _compare says so
             pass
     outside = sorted(calls.names & _SCORE_ARITHMETIC)

@@ -76,6 +76,33 @@ SUBTLER_WRONG = {  # mistakes the first inputs alone would let through
 }
 
 
+def test_an_output_left_unwritten_is_nan_to_the_checker(capsys):
+    """A causal kernel that stores only the visible columns leaves the masked ones as the memory was, often 0, the
+    value they should hold; in the checker every new tensor starts as NaN, so the mistake fails whatever the memory
+    held. The setting is PyTorch's own, restored afterwards."""
+    starts = []
+
+    def visible_columns_only(x):
+        y = torch.empty_like(x)
+        starts.append(bool(y.isnan().all()))
+        visible = torch.ones_like(x, dtype=torch.bool).tril()
+        y[visible] = torch.softmax(x.masked_fill(~visible, float("-inf")), dim=-1)[visible]
+        return y
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    assert exercises.check_causal_softmax(visible_columns_only) is False
+    assert starts == [True] and "got nan, expected 0" in capsys.readouterr().out
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
+
+
+def test_a_function_that_writes_its_input_cannot_change_the_expected_values(capsys):
+    """Scaling x in place before a plain softmax kernel: the values come out right on the checker's own inputs, and
+    the check names the arithmetic outside the kernel, not a difference."""
+    assert exercises.check_scaled_softmax(lambda x, s: solutions.scaled_softmax(x.mul_(s), 1.0)) is False
+    out = capsys.readouterr().out
+    assert "differ" not in out and "outside the kernel (mul)" in out
+
+
 def test_scaled_softmax_scaled_before_its_kernel_fails(capsys):
     """The right values from a scale applied in PyTorch and a plain softmax kernel: not fused, and the check says so
     (the solution's own kernel run with scale 1 on a scaled x)."""
