@@ -9,7 +9,7 @@ import functools
 import torch
 
 from .device import DEVICE, INTERPRET
-from .flash_attention import DTYPES, attention_backward, attention_forward
+from .flash_attention import DTYPES, HEAD_DIMS, attention_backward, attention_forward
 from .ops import _on_kernel_device, _operator
 
 _attention_op = _operator("softmax_course::attention", attention_forward)
@@ -51,7 +51,7 @@ def _check(q: object, k: object, v: object) -> None:
         raise ValueError(f"q, k, v must share batch, heads and head_dim, and k and v their seq length: got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
     head_dim = q.shape[3]
-    if head_dim not in (16, 32, 64, 128):
+    if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be a power of two from 16 to 128 (one tile wide), got {head_dim}")
     if k.shape[2] == 0 and q.shape[2] > 0:
         raise ValueError("k and v have no keys (seq length 0): softmax over no scores is undefined")
