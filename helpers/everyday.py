@@ -51,7 +51,6 @@ CASES = [
     ("two columns", (4096, 1000, 2), 1, torch.float32, "contiguous"),
     ("dim 0 of fp64", (20000, 512), 0, torch.float64, "contiguous"),
 ]
-PHASES = ("forward", "backward")
 
 
 @dataclass
