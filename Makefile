@@ -4,9 +4,11 @@ SHELL := /bin/bash
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# torch for a machine that has none: this pin resolves to a CPU build (no CUDA libraries).
-CPU_TORCH  := torch==2.13.0
-CPU_TRITON := triton>=3.7
+# torch and triton for a machine that has neither. On Linux, PyPI's torch is the CUDA build (GBs of CUDA libraries):
+# `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes PyTorch's CPU build of the same version instead.
+TORCH       := torch==2.13.0
+TRITON      := triton>=3.7
+TORCH_INDEX :=
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 
 .PHONY: help setup test test-python test-notebooks test-browser notebooks images lab bench lint clean
@@ -21,7 +23,7 @@ setup:  ## create .venv and install everything (keeps an existing torch/triton)
 	else \
 	  python3 -m venv $(VENV) && \
 	  $(PY) -m pip install -q --upgrade pip && \
-	  $(PY) -m pip install -q "$(CPU_TORCH)" "$(CPU_TRITON)"; \
+	  $(PY) -m pip install -q "$(TORCH)" "$(TRITON)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)); \
 	fi
 	$(PY) -m pip install -q -r requirements.txt
 	@# the course's helpers, editable: importable from anywhere in the venv (notebooks run from notebooks/)

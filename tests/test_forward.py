@@ -299,7 +299,7 @@ def test_repeat_calls_of_a_layout(monkeypatch, make_input, dim):
     returns torch's softmax and gradient for new values, and a call that needs autograd still gets it."""
     x = make_input()
     check_forward(x, dim)
-    tolerance = dict(atol=2e-2, rtol=2e-2) if x.dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+    tolerance = BACKWARD_TOLERANCE[x.dtype]
     dy = randn(*x.shape, dtype=x.dtype)
     helpers.softmax_backward(helpers.softmax_forward(x, dim), dy, dim)
     checks = []

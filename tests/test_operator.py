@@ -237,12 +237,32 @@ def test_model_trains_like_torch_softmax():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-4)
 
 
+# The compiled scripts below first check the eager call against torch in fp64, so that a compiled call cannot pass by
+# matching a wrong eager one.
+AGAINST_TORCH = r"""
+import torch
+
+
+def against_torch(x, dy, dim, y, dx):
+    # y = softmax(0.5 x) within a rounding of its dtype; dx from the same y, with an atol of a rounding of the
+    # products y * dy (where dy - sum(y * dy) cancels)
+    rtol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(x.dtype, 2e-2)
+    floor = 1e-12 if x.dtype == torch.float64 else 1e-6
+    expected = torch.softmax(x.detach().double() * 0.5, dim)
+    torch.testing.assert_close(y.double(), expected, atol=floor * 1e-3, rtol=rtol)
+    y = y.detach().double()
+    expected_dx = 0.5 * torch._softmax_backward_data(dy.double(), y, dim, torch.float64)
+    scale = (y.abs().amax() * dy.double().abs().amax()).item()
+    torch.testing.assert_close(dx.double(), expected_dx, atol=floor * scale, rtol=rtol)
+"""
+
+
 # torch.compile over every kernel shape: a tile (1000), splits (50257, 131072; bf16 65536, whose forward's plan caps
 # its registers, and fp32 131072's backward: opaque operators), the two-pass kernels (2**22 + 3), a split down the
 # columns of a dim of 3000 and two passes down them in fp64 (opaque too), forward and backward, in a subprocess whose
 # timeout fails the test if a launch waits forever. Under CUDA graphs an opaque operator runs in the graph's memory
 # pool and must leave no buffer there.
-COMPILED_ROWS = r"""
+COMPILED_ROWS = AGAINST_TORCH + r"""
 import sys
 import torch
 import helpers
@@ -272,6 +292,7 @@ for shape, dim, dtype, kernel in CASES:
         dy = torch.randn(rows, *shape, device="cuda", dtype=dtype)
         expected = scaled_softmax(x)
         (expected_dx,) = torch.autograd.grad(expected, x, dy)
+        against_torch(x, dy, dim, expected, expected_dx)
         for _ in range(3):  # CUDA graphs record on a later call than the first, then replay
             y = compiled(x)
             (dx,) = torch.autograd.grad(y, x, dy)
@@ -296,7 +317,7 @@ def test_compiled_every_row_length(mode):
 # A row length that grows call by call through every kernel a length takes: tiles, splits (bf16 65536's forward and
 # fp32 151936's backward with register caps), the two passes (2**22 + 3); a graph for the first length, one for the
 # symbol that every later length is. In a subprocess whose timeout fails the test if a launch waits forever.
-GROWING_ROWS = r"""
+GROWING_ROWS = AGAINST_TORCH + r"""
 import sys
 import torch
 import helpers
@@ -315,6 +336,7 @@ for n in (5, 100, 1000, 3000, 16384, 16385, 50257, 65536, 151936, 2**22 + 3):
     dy = torch.randn(2, n, device="cuda", dtype=dtype)
     expected = scaled_softmax(x)
     (expected_dx,) = torch.autograd.grad(expected, x, dy)
+    against_torch(x, dy, -1, expected, expected_dx)
     for _ in range(3 if mode else 1):  # CUDA graphs record on a later call than the first, then replay
         y = compiled(x)
         (dx,) = torch.autograd.grad(y, x, dy)
