@@ -370,10 +370,14 @@ def test_kernels_compile_for_hopper():
     runs = [subprocess.Popen([sys.executable, "-c", COMPILE, *cases], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for cases in COMPILE_CASES]
     lines = []
-    for run in runs:
-        stdout, stderr = run.communicate(timeout=600)
-        assert run.returncode == 0, stderr[-3000:]
-        lines += stdout.split("\n")[:-1]
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=600)
+            assert run.returncode == 0, stderr[-3000:]
+            lines += stdout.split("\n")[:-1]
+    finally:  # a timeout or a failed assert leaves no compiler process behind
+        for run in runs:
+            run.kill()
     compiled = {case: (int(stack), wgmma == "True") for case, stack, wgmma in map(str.split, lines)}
     assert len(compiled) == 8, lines
     for case, (stack, wgmma) in compiled.items():
