@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from conftest import BACKWARD_TOLERANCE, ON_GPU, TOLERANCE, run_with_timeout, torch_backward
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helpers
@@ -16,8 +16,9 @@ DTYPES = st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.fl
 
 
 @st.composite
-def tensors(draw, special=True):
-    shape = draw(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple))
+def tensors(draw, special=True, longest=9, most_elements=None):
+    shape = draw(st.lists(st.integers(0, longest), min_size=0, max_size=3).map(tuple)
+                 .filter(lambda shape: most_elements is None or math.prod(shape) <= most_elements))
     dim = draw(st.integers(-max(len(shape), 1), max(len(shape), 1) - 1))
     dtype = draw(DTYPES)
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))  # values hypothesis can replay
@@ -52,6 +53,22 @@ def test_backward_matches_torch(case, broadcast_grad, seed):
     expected = torch_backward(y, dy, dim)
     torch.testing.assert_close(dx.double(), expected, **BACKWARD_TOLERANCE[x.dtype])
     assert dx.stride() == expected.stride()  # torch's layout
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU every kernel is met at full size (GPU_RANDOM_CALLS, below)")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tensors(longest=100, most_elements=800), st.integers(0, 2**32 - 1))
+def test_split_rows_match_torch(looped, case, seed):
+    """The cases above with dims up to 100 long, cut into pieces of 16 (``looped``): on CPU the shapes above take only
+    whole-row tiles and held columns, these also the split rows, whose merge meets the special values across
+    pieces."""
+    x, dim = case
+    y = helpers.softmax_forward(x, dim)
+    torch.testing.assert_close(y, torch.softmax(x, dim), equal_nan=True, check_stride=True, **TOLERANCE[x.dtype])
+    dy = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(x.dtype)
+    dx = helpers.softmax_backward(y, dy.to(x.device), dim)
+    expected = torch_backward(y, dy.to(x.device), dim)
+    torch.testing.assert_close(dx.double(), expected, equal_nan=True, **BACKWARD_TOLERANCE[x.dtype])
 
 
 # A GPU subprocess: seeded random calls at sizes where every kernel runs (tiles, splits, two passes, column kernels
