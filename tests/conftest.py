@@ -33,15 +33,31 @@ TOLERANCE = {
     torch.float32: dict(atol=1e-6, rtol=1e-5),
     torch.float64: dict(atol=1e-12, rtol=1e-12),
 }
-# dx, in tests whose y * dy is of order 1: a few roundings of y's dtype in absolute terms, since dx = y * (dy - <y, dy>)
-# cancels where dy is near <y, dy>, and two implementations' y (each rounded) move <y, dy> by a rounding of y * dy.
-# Tests of long rows, whose y is far below 1, compare dx with atols of their own.
+# dx where y * dy is of order 1 (backward_tolerance scales the atol to the data): a few roundings of y's dtype in
+# absolute terms, since dx = y * (dy - <y, dy>) cancels where dy is near <y, dy>, and two implementations' y (each
+# rounded) move <y, dy> by a rounding of y * dy.
 BACKWARD_TOLERANCE = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
     torch.float32: dict(atol=1e-6, rtol=1e-5),
     torch.float64: dict(atol=1e-12, rtol=1e-12),
 }
+
+
+def backward_tolerance(y, dy, dim, dtype=None, tolerances=BACKWARD_TOLERANCE):
+    """The tolerance of dx = y * (dy - <y, dy>) against another implementation's, for the rounding of ``dtype`` (y's
+    unless given): the rtol of ``tolerances`` (BACKWARD_TOLERANCE unless given), and its atol times the data's scale.
+    dx_i errs by y_i times the error of <y, dy>, a few roundings of sum_j |y_j dy_j|, so the scale is the largest
+    max_i |y_i| * sum_j |y_j dy_j| of any row. A long row's y is far below 1 and its atol with it, down to the spacing
+    of the dtype's subnormals (where a long fp16 row's dx lies); special values are left to ``equal_nan``."""
+    dtype = dtype or y.dtype
+    tolerance = tolerances[dtype]
+    if y.numel() == 0:
+        return tolerance
+    y, dy = (t.double().nan_to_num(0.0, 0.0, 0.0) for t in (y, dy))
+    scale = (y.abs().amax(dim) * (y * dy).abs().sum(dim)).max().item()
+    subnormal_spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    return dict(atol=max(tolerance["atol"] * scale, subnormal_spacing), rtol=tolerance["rtol"])
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 layout, and the plan's limits."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from conftest import (
     DTYPES,
     ON_GPU,
     TOLERANCE,
+    backward_tolerance,
     launched,
     randn,
     run_with_timeout,
@@ -25,6 +27,7 @@ from helpers import columns, recipes, residency, turned
 # backward's sum of y * dy over a dim of 1101, whose rounding an element of dx near 0.03 saw at 1.5e-6 in one CPU run
 LONG_TOLERANCE = {**TOLERANCE, torch.float32: dict(atol=1e-6, rtol=1e-4)}
 LONG_BACKWARD_TOLERANCE = {**BACKWARD_TOLERANCE, torch.float32: dict(atol=1e-6, rtol=1e-4)}
+long_backward_tolerance = functools.partial(backward_tolerance, tolerances=LONG_BACKWARD_TOLERANCE)
 SHAPES = [((4, 21, 6, 5), 1), ((3, 1, 7), 1), ((2, 37, 19), 1), ((2, columns.MAX_HELD, 3), 1), ((9, 40), 0)]
 
 
@@ -40,7 +43,7 @@ def test_values_and_layout(shape, dim, dtype):
     dy = randn(*shape, dtype=dtype, scale=1.0)
     dx = helpers.softmax_backward(expected, dy, dim)
     torch.testing.assert_close(dx.double(), torch_backward(expected, dy, dim), equal_nan=True,
-                               **BACKWARD_TOLERANCE[dtype])
+                               **backward_tolerance(expected, dy, dim))
     assert dx.stride() == x.stride()
 
 
@@ -82,7 +85,7 @@ def test_long_dim_with_few_columns(monkeypatch, fits):
     torch.testing.assert_close(y, expected, **LONG_TOLERANCE[torch.float32])
     dy = randn(*x.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(expected, dy, 1).double(), torch_backward(expected, dy, 1),
-                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+                               **long_backward_tolerance(expected, dy, 1))
     split = {"softmax_column_split_kernel", "softmax_backward_column_split_kernel"}
     passes = {"softmax_column_two_pass_kernel", "softmax_backward_column_two_pass_kernel"}
     assert launched() == (split if fits else passes)
@@ -125,7 +128,7 @@ def test_narrow_column_values(monkeypatch, dtype, n_reduced):
     torch.testing.assert_close(y, expected, equal_nan=True, **LONG_TOLERANCE[dtype])
     dy = randn(*x.shape, dtype=dtype, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(expected, dy, 1).double(), torch_backward(expected, dy, 1),
-                               equal_nan=True, **LONG_BACKWARD_TOLERANCE[dtype])
+                               equal_nan=True, **long_backward_tolerance(expected, dy, 1))
     assert {step.constexprs["BLOCK_C"] for recipe in recipes._recipes.values() for step in recipe.steps} == {2}
 
 
@@ -206,7 +209,7 @@ def test_split_takes_the_first_plan_that_fits(monkeypatch, dtype):
     y = torch.softmax(x.float(), 1).to(dtype)
     dy = randn(*x.shape, dtype=dtype, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
-                               equal_nan=True, **LONG_BACKWARD_TOLERANCE[dtype])
+                               equal_nan=True, **long_backward_tolerance(y, dy, 1))
     (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1]]
     assert step.kernel.fn.__name__ == "softmax_backward_column_split_kernel"
     assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"]) == (256, 3)
@@ -240,7 +243,7 @@ def test_long_dims(monkeypatch, dtype, fits, two_level_bytes, max_two_level_piec
     dy = randn(*x.shape, dtype=dtype, scale=1.0)
     dx = helpers.softmax_backward(expected, dy, 1)
     torch.testing.assert_close(dx.double(), torch_backward(expected, dy, 1), equal_nan=True,
-                               **LONG_BACKWARD_TOLERANCE[dtype])
+                               **long_backward_tolerance(expected, dy, 1))
     assert dx.stride() == x.stride()
     split = {"softmax_column_split_kernel", "softmax_backward_column_split_kernel"}
     passes = {"softmax_column_two_pass_kernel", "softmax_backward_column_two_pass_kernel"}
@@ -272,7 +275,7 @@ def test_fp64_long_dims_take_two_passes(monkeypatch, shape, dim, max_chunks, chu
         dx = helpers.softmax_backward(y_in, dy, dim)
         assert dx.dtype == y_in.dtype and dx.stride() == x.stride()
         torch.testing.assert_close(dx.double(), torch_backward(y_in, dy, dim), equal_nan=True,
-                                   **BACKWARD_TOLERANCE[y_in.dtype])
+                                   **backward_tolerance(y_in, dy, dim))
     assert launched() == {"softmax_column_two_pass_kernel", "softmax_backward_column_two_pass_kernel"}
     assert {step.ints[2] for recipe in recipes._recipes.values() for step in recipe.steps} == {chunks}
 
@@ -287,7 +290,7 @@ def test_backward_held_where_its_split_does_not_fit(monkeypatch, fits):
     y = helpers.softmax_forward(x, 1)
     dy = randn(*x.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
-                               **LONG_BACKWARD_TOLERANCE[torch.float32])  # a sum of 1024: torch's fp32 errs as much
+                               **long_backward_tolerance(y, dy, 1))  # a sum of 1024: torch's fp32 errs as much
     backward = "softmax_backward_column_split_kernel" if fits else "softmax_backward_column_kernel"
     assert launched() == {"softmax_column_kernel", backward}
 
@@ -306,7 +309,7 @@ def test_split_that_leaves_the_gpu_idle_gives_way(monkeypatch):
     y = torch.softmax(x, 1)
     dy = randn(*x.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(y, dy, 1).double(), torch_backward(y, dy, 1),
-                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+                               **long_backward_tolerance(y, dy, 1))
     (step,) = [step for recipe in recipes._recipes.values() for step in recipe.steps[:1]]
     assert (step.constexprs["BLOCK_R"], step.constexprs["SEGMENTS"]) == (128, 5)
 
@@ -327,7 +330,7 @@ def test_forward_split_only_where_it_pays(monkeypatch, n_inner, resident, takes_
     torch.testing.assert_close(y, expected, **LONG_TOLERANCE[torch.float32])
     dy = randn(*x.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(expected, dy, 1).double(), torch_backward(expected, dy, 1),
-                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+                               **long_backward_tolerance(expected, dy, 1))
     forward = "softmax_column_split_kernel" if takes_split else "softmax_column_two_pass_kernel"
     assert launched() == {forward, "softmax_backward_column_split_kernel"}
     first_steps = {recipe.steps[0].kernel.fn.__name__: recipe.steps[0] for recipe in recipes._recipes.values()}
@@ -355,7 +358,7 @@ def test_backward_split_of_short_runs_only_where_it_pays(monkeypatch, n_inner, r
     y = torch.softmax(randn(columns.MAX_HELD + 77, n_inner), 0)
     dy = randn(*y.shape, scale=1.0)
     torch.testing.assert_close(helpers.softmax_backward(y, dy, 0).double(), torch_backward(y, dy, 0),
-                               **LONG_BACKWARD_TOLERANCE[torch.float32])
+                               **long_backward_tolerance(y, dy, 0))
     (step,) = [recipe.steps[0] for recipe in recipes._recipes.values()]
     if takes_split:
         assert step.kernel is columns.softmax_backward_column_split_kernel
@@ -479,7 +482,7 @@ def test_turned_values_and_layout(monkeypatch, make, shape, dim, dtype):
     assert turned.takes(dim % x.ndim, y, dy)
     dx = helpers.softmax_backward(y, dy, dim)
     torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim),
-                               **(LONG_BACKWARD_TOLERANCE if long else BACKWARD_TOLERANCE)[dtype])
+                               **(long_backward_tolerance if long else backward_tolerance)(y, dy, dim))
     assert dx.is_contiguous()
     assert launched() == {"softmax_turned_kernel", "softmax_backward_turned_kernel"}
 
@@ -495,7 +498,7 @@ def test_turned_upcast(monkeypatch, dtype):
     y, dy = turned_like(expected, x), turned_like(randn(*x.shape, scale=1.0), x)
     dx = helpers.softmax_backward(y, dy, 1, dtype=dtype)
     assert dx.dtype == dtype and dx.is_contiguous()
-    torch.testing.assert_close(dx, torch_backward(y, dy, 1).to(dtype), **BACKWARD_TOLERANCE[dtype])
+    torch.testing.assert_close(dx, torch_backward(y, dy, 1).to(dtype), **backward_tolerance(y, dy, 1, dtype))
     assert launched() == {"softmax_turned_kernel", "softmax_backward_turned_kernel"}
 
 

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, ON_GPU, TOLERANCE, randn, run_with_timeout, torch_backward
+from conftest import ON_GPU, TOLERANCE, backward_tolerance, randn, run_with_timeout, torch_backward
 
 import helpers
 from helpers import bench, plans, recipes, residency, split_rows, two_pass
@@ -81,7 +81,8 @@ def check(x, dim=-1):
     torch.testing.assert_close(y.double(), torch.softmax(x.double(), dim), equal_nan=True, **TOLERANCE[x.dtype])
     dy = randn(*x.shape, dtype=x.dtype, scale=1.0)
     dx = helpers.softmax_backward(y, dy, dim)
-    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), equal_nan=True, **BACKWARD_TOLERANCE[x.dtype])
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), equal_nan=True,
+                               **backward_tolerance(y, dy, dim))
 
 
 @pytest.mark.parametrize("small_gpu", [8, 40], indirect=True, ids=["8 programs", "40 programs"])

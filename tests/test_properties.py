@@ -1,11 +1,12 @@
 """Hypothesis-generated shapes, dims, dtypes and values (special values included) against torch; on a GPU, seeded
 random calls at full size through every kernel."""
 
+import inspect
 import math
 
 import pytest
 import torch
-from conftest import BACKWARD_TOLERANCE, ON_GPU, TOLERANCE, run_with_timeout, torch_backward
+from conftest import BACKWARD_TOLERANCE, ON_GPU, TOLERANCE, backward_tolerance, run_with_timeout, torch_backward
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,7 +52,7 @@ def test_backward_matches_torch(case, broadcast_grad, seed):
         dy = dy.select(dim, 0).unsqueeze(dim).expand_as(x)  # a zero stride along the softmax dim
     dx = helpers.softmax_backward(y, dy, dim)
     expected = torch_backward(y, dy, dim)
-    torch.testing.assert_close(dx.double(), expected, **BACKWARD_TOLERANCE[x.dtype])
+    torch.testing.assert_close(dx.double(), expected, **backward_tolerance(y, dy, dim))
     assert dx.stride() == expected.stride()  # torch's layout
 
 
@@ -68,7 +69,7 @@ def test_split_rows_match_torch(looped, case, seed):
     dy = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(x.dtype)
     dx = helpers.softmax_backward(y, dy.to(x.device), dim)
     expected = torch_backward(y, dy.to(x.device), dim)
-    torch.testing.assert_close(dx.double(), expected, equal_nan=True, **BACKWARD_TOLERANCE[x.dtype])
+    torch.testing.assert_close(dx.double(), expected, equal_nan=True, **backward_tolerance(y, dy, dim))
 
 
 # A GPU subprocess: seeded random calls at sizes where every kernel runs (tiles, splits, two passes, column kernels
@@ -76,7 +77,8 @@ def test_split_rows_match_torch(looped, case, seed):
 # torch in fp64. Each layout is called twice: its first call, then its kept launch (a split's exchange on the other
 # parity).
 # A few shapes first make sure each kernel family is met; the kernels that ran are asserted at the end.
-# The tolerances are conftest's, but for an fp32 dx of rows up to 2**22 + 3: twice BACKWARD_TOLERANCE's atol.
+# The tolerances are conftest's (backward_tolerance's source is part of the script), but for an fp32 dx of rows up to
+# 2**22 + 3, whose sum of y * dy rounds at every block: twice BACKWARD_TOLERANCE's atol.
 RANDOM_CALLS_BACKWARD_TOLERANCE = {**BACKWARD_TOLERANCE, torch.float32: dict(atol=2e-6, rtol=1e-5)}
 GPU_RANDOM_CALLS = f"""
 import math, random
@@ -86,6 +88,7 @@ from helpers import recipes
 
 TOLERANCE = {TOLERANCE!r}
 BACKWARD_TOLERANCE = {RANDOM_CALLS_BACKWARD_TOLERANCE!r}
+{inspect.getsource(backward_tolerance)}
 """ + r"""
 random.seed(0)
 torch.manual_seed(0)
@@ -131,7 +134,7 @@ def check(shape, dim, dtype, layout, special):
         assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous(), case
         dx = helpers.softmax_backward(y_finite, dy, dim)
         expected = torch._softmax_backward_data(dy.double(), y_finite.double(), dim, torch.float64)
-        torch.testing.assert_close(dx.double(), expected, **BACKWARD_TOLERANCE[dtype],
+        torch.testing.assert_close(dx.double(), expected, **backward_tolerance(y_finite, dy, dim),
                                    msg=lambda m: f"backward {case}: {m}")
     kernels_run.update(step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps)
 
