@@ -118,10 +118,21 @@ def test_special_values_in_long_rows(looped):
 
 
 @pytest.mark.parametrize("shape, dim", [((0, 5), -1), ((5, 0), -1), ((5, 0), 0), ((2, 0, 3), 1), ((0,), 0)])
-def test_empty(shape, dim):
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("out_dtype", [None, torch.float64])
+def test_empty(shape, dim, transposed, out_dtype):
+    """Nothing to compute, but torch's shape, dtype, device and strides: the output, its gradient through autograd,
+    and softmax_backward's."""
     x = randn(*shape)
-    y = helpers.softmax_forward(x, dim)
-    assert y.shape == x.shape and y.dtype == x.dtype
+    x = (x.t() if transposed and x.ndim == 2 else x).requires_grad_()
+    x_torch = x.detach().clone().requires_grad_()
+    y, expected = helpers.softmax(x, dim, out_dtype), torch.softmax(x_torch, dim, dtype=out_dtype)
+    dy = randn(*x.shape, dtype=expected.dtype)
+    results = [y, *torch.autograd.grad(y, x, dy), helpers.softmax_backward(expected.detach(), dy, dim)]
+    expected_results = [expected, *torch.autograd.grad(expected, x_torch, dy),
+                        torch._softmax_backward_data(dy, expected.detach(), dim, expected.dtype)]
+    for got, want in zip(results, expected_results, strict=True):
+        assert (got.shape, got.dtype, got.device, got.stride()) == (want.shape, want.dtype, want.device, want.stride())
 
 
 @pytest.mark.parametrize("shape, dim", [((4, 8), 0), ((4, 8), -1), ((), 0), ((2, 0, 3), 1), ((2, 1, 3), 2)])
