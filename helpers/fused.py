@@ -1,8 +1,8 @@
 """Softmax along the rows at the memory limit, for every row length, forward and backward (notebook 06): which kernel a
 call takes and how it is launched. Rows that fit on chip take tiles (``tiles``); longer rows are split among programs
 that exchange partials (``split_rows``, ``exchange``) where those programs fit on the GPU together (``residency``);
-longer ones still, and fp64 rows, take two passes (``two_pass``). The shapes come from ``plans``, the launches from
-``recipes``."""
+longer ones still, fp64 rows and rows that span 2**31 elements take two passes (``two_pass``). The shapes come from
+``plans``, the launches from ``recipes``."""
 
 from __future__ import annotations
 
@@ -24,19 +24,27 @@ def launch_rows_backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, pl
     recipes.run(backward_recipe, (dx, y, dy), plan)
 
 
+def wide_columns(n_cols: int, *tensors: torch.Tensor) -> bool:
+    """Whether a row's offsets pass 32 bits in any of ``tensors`` (a dim of a huge tensor taken as rows, its elements
+    far apart): tiles and splits compute them in 32 bits, only the two passes in 64."""
+    return any((n_cols - 1) * abs(t.stride(1)) >= 2**31 for t in tensors)
+
+
 def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: plans.Plan | None) -> recipes.Recipe:
     n_rows, n_cols = x.shape
     ints = (x.stride(0), x.stride(1), y.stride(0), n_rows, n_cols)
-    few = plan is None and x.dtype != torch.float64 and plans.few_rows_plan(n_rows, n_cols, "forward", x.element_size())
+    wide = wide_columns(n_cols, x)
+    few = (plan is None and x.dtype != torch.float64 and not wide
+           and plans.few_rows_plan(n_rows, n_cols, "forward", x.element_size()))
     if few and (recipe := _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, few)) is not None:
         return recipe  # else its pieces do not fit the GPU together: the default plan's may
     planned = plan is None
     plan = plan or plans.plan_for(n_cols, "forward", x.element_size())
-    if plan.segments == 1:
+    if plan.segments == 1 and not wide:
         if planned:
             plan = plans.spread_tiles(plan, n_rows, residency.sm_count(x.device))
         return _tile_recipe(tiles.softmax_tile_kernel, (y, x), ints, plan)
-    if x.dtype != torch.float64:  # fp64 partials do not fit a packed word
+    if x.dtype != torch.float64 and not wide:  # fp64 partials do not fit a packed word
         recipe = _split_recipe(split_rows.softmax_split_kernel, (y, x), ints, plan, planned)
         if recipe is not None:
             return recipe
@@ -46,17 +54,18 @@ def forward_recipe(y: torch.Tensor, x: torch.Tensor, plan: plans.Plan | None) ->
 def backward_recipe(dx: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, plan: plans.Plan | None) -> recipes.Recipe:
     n_rows, n_cols = y.shape
     ints = (y.stride(0), y.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), n_rows, n_cols)
-    few = (plan is None and torch.float64 not in (y.dtype, dy.dtype)
+    wide = wide_columns(n_cols, y, dy)
+    few = (plan is None and torch.float64 not in (y.dtype, dy.dtype) and not wide
            and plans.few_rows_plan(n_rows, n_cols, "backward", y.element_size()))
     if few and (recipe := _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, few)) is not None:
         return recipe
     planned = plan is None
     plan = plan or plans.plan_for(n_cols, "backward", y.element_size())
-    if plan.segments == 1:
+    if plan.segments == 1 and not wide:
         if planned:
             plan = plans.spread_tiles(plan, n_rows, residency.sm_count(y.device))
         return _tile_recipe(tiles.softmax_backward_tile_kernel, (dx, y, dy), ints, plan)
-    if torch.float64 not in (y.dtype, dy.dtype):
+    if torch.float64 not in (y.dtype, dy.dtype) and not wide:
         recipe = _split_recipe(split_rows.softmax_backward_split_kernel, (dx, y, dy), ints, plan, planned)
         if recipe is not None:
             return recipe

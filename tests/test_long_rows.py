@@ -13,7 +13,7 @@ import torch
 from conftest import ON_GPU, TOLERANCE, backward_tolerance, randn, run_with_timeout, torch_backward
 
 import helpers
-from helpers import bench, plans, recipes, residency, split_rows, two_pass
+from helpers import bench, fused, plans, recipes, residency, split_rows, two_pass
 
 # Programs a small GPU holds at once: 8 SMs with one program each, a T4 (40 SMs) with 1, 4 and 16 per SM.
 SMALL_GPUS = {"8 SMs x 1": 8, "T4 x 1": 40, "T4 x 4": 160, "T4 x 16": 640}
@@ -125,6 +125,24 @@ def test_two_pass_special_values_and_strides(small_gpu):
     # took the column kernel
     assert {name for name, *_ in small_gpu[1]} == {"softmax_two_pass_kernel", "softmax_backward_two_pass_kernel",
                                                    "softmax_backward_column_kernel"}
+
+
+def test_rows_that_span_2_to_the_31_elements(monkeypatch):
+    """Three columns of a (1025, 2**21 + 1) fp16 tensor (4 GB, of which this touches 1025 x 3 elements) over dim 0:
+    each row's offsets pass 32 bits, which tiles and splits would wrap (reading outside the tensor) and the two passes
+    compute in 64. The backward's dy is such a view too."""
+    monkeypatch.setattr(recipes, "_recipes", {})
+    storage = torch.empty(1025, 2**21 + 1, dtype=torch.float16, device=helpers.DEVICE)
+    x, dy = storage[:, :3], storage[:, 3:6]
+    x.copy_(randn(1025, 3, dtype=torch.float16))
+    dy.copy_(randn(1025, 3, dtype=torch.float16, scale=1.0))
+    assert fused.wide_columns(1025, x.t())
+    y = helpers.softmax_forward(x, 0)
+    torch.testing.assert_close(y.double(), torch.softmax(x.double(), 0), **TOLERANCE[torch.float16])
+    dx = helpers.softmax_backward(y, dy, 0)
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, 0), **backward_tolerance(y, dy, 0))
+    kernels = {step.kernel.fn.__name__ for recipe in recipes._recipes.values() for step in recipe.steps}
+    assert kernels == {"softmax_two_pass_kernel", "softmax_backward_two_pass_kernel"}
 
 
 def test_two_pass_chunks_cover_the_row():
