@@ -372,6 +372,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
         dtype = torch.float32
     key = x_ptr = None
     if not torch.compiler.is_compiling() and (type(x) is torch.Tensor or kernels.has_data(x)):
+        if x.is_neg():  # a lazily negated view (w.conj().imag): the kernels would read its data unnegated
+            return softmax(x.resolve_neg(), dim, dtype)
         try:
             x_ptr = x.data_ptr()
             key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, x_ptr % 16 == 0, dtype)
@@ -431,6 +433,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     key = y_ptr = dy_ptr = None
     if not torch.compiler.is_compiling() and (type(y) is torch.Tensor or kernels.has_data(y)) and (
             type(dy) is torch.Tensor or kernels.has_data(dy)):
+        if y.is_neg() or dy.is_neg():  # as in softmax
+            return softmax_backward(y.resolve_neg(), dy.resolve_neg(), dim, dtype)
         try:
             y_ptr, dy_ptr = y.data_ptr(), dy.data_ptr()
             key = (y.shape, dy.shape, y.stride(), dy.stride(), y.dtype, dy.dtype, y.get_device(), dim,

@@ -87,6 +87,26 @@ def test_strided_inputs(make_view, dim):
     check_forward(x, dim)
 
 
+@pytest.mark.parametrize("dim", [0, -1])
+def test_lazily_negated_views(dim):
+    """``w.conj().imag`` is a view whose data is w's imaginary part and whose values are minus that (torch's negative
+    bit). The kernels read data: softmax, softmax_backward (with such a y or dy) and the gradient still get torch's
+    values, on a layout's first call and its repeats."""
+    w = torch.complex(randn(5, 37), randn(5, 37))
+    x = w.conj().imag
+    assert x.is_neg()
+    y = torch.softmax(randn(5, 37), dim)
+    for _ in range(2):
+        check_forward(x, dim)
+        for y_in, dy in ((y, x), (x, y)):
+            torch.testing.assert_close(helpers.softmax_backward(y_in, dy, dim), torch._softmax_backward_data(
+                dy, y_in, dim, y_in.dtype), **backward_tolerance(y_in, dy, dim))
+        x_grad, x_torch = (x.clone().requires_grad_() for _ in range(2))
+        (dx,), (expected,) = (torch.autograd.grad(softmax(t, dim), t, x) for softmax, t in (
+            (helpers.softmax, x_grad), (torch.softmax, x_torch)))
+        torch.testing.assert_close(dx, expected, **backward_tolerance(torch.softmax(x, dim), x, dim))
+
+
 def test_special_values():
     inf, nan = float("inf"), float("nan")
     x = torch.tensor([
