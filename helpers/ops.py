@@ -249,10 +249,19 @@ _eager_softmax_backward_op = torch.ops.softmax_course.softmax_backward_eager.def
 
 
 def _traced(*tensors: torch.Tensor) -> bool:
-    """Whether torch.compile is tracing the call, or a tensor is traced (FakeTensors, torch.func.functionalize's
-    wrappers, ...): then the operator runs, for the tracer to see. Plain calls skip its dispatcher, which adds Python
-    time to every call."""
-    return torch.compiler.is_compiling() or not recipes.plain(tensors) or _functionalized(*tensors)
+    """Whether torch.compile is tracing the call, a tensor is traced (FakeTensors, torch.func.functionalize's
+    wrappers, ...) or the call is watched (``_watched``): then the operator runs, for the tracer to see. Plain calls
+    skip its dispatcher, which adds Python time to every call."""
+    return torch.compiler.is_compiling() or not recipes.plain(tensors) or _functionalized(*tensors) or _watched()
+
+
+_dispatch_modes, _jit_tracing = torch._C._len_torch_dispatch_stack, torch._C._get_tracing_state  # on every call
+
+
+def _watched() -> bool:
+    """Whether a TorchDispatchMode (a logger, a FLOP counter, make_fx) or torch.jit.trace is watching the ops that
+    run: they see an operator only through its dispatcher."""
+    return _dispatch_modes() > 0 or _jit_tracing() is not None
 
 
 def _functionalized(*tensors: torch.Tensor) -> bool:
@@ -382,7 +391,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
         else:
             call = _plain_calls.get(key)
             if call is not None and (x_ptr or not x.numel()) and not (x.requires_grad and torch.is_grad_enabled()) and (
-                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on, inline
+                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()) and (  # _forward_mode_on
+                    not _dispatch_modes() and _jit_tracing() is None):  # not _watched(), inline
                 return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
     if dtype is not None and isinstance(x, torch.Tensor) and x.dtype not in FLOAT_DTYPES:
         return softmax(x.to(_result_dtype(dtype, x.dtype)), dim)  # integers, bools: cast first, as torch's
@@ -445,7 +455,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
             call = _plain_calls.get(key)
             if call is not None and (y_ptr and dy_ptr or not y.numel()) and not (
                     torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
-                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()):  # _forward_mode_on
+                    forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()) and (  # _forward_mode_on
+                    not _dispatch_modes() and _jit_tracing() is None):  # not _watched()
                 return call(y, dy, y_ptr, dy_ptr)
     if isinstance(y, torch.Tensor) and isinstance(dy, torch.Tensor) and (y.is_nested or dy.is_nested):
         return _nested_backward(y, dy, dim, _result_dtype(dtype, y.dtype))

@@ -6,9 +6,18 @@ On a GPU the ops are triton_ops that torch.compile traces into; under Triton's i
 
 import pytest
 import torch
-from conftest import ON_GPU, randn, run_with_timeout, split_wherever_it_fits, torch_backward, traced_by_torch
+from conftest import (
+    ON_GPU,
+    backward_tolerance,
+    randn,
+    run_with_timeout,
+    split_wherever_it_fits,
+    torch_backward,
+    traced_by_torch,
+)
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import helpers
 from helpers import model
@@ -56,6 +65,36 @@ def test_opcheck_long_rows(looped):
     assert set(torch.library.opcheck(FORWARD, (x, -1, x.dtype)).values()) == {"SUCCESS"}
     y = torch.softmax(x, -1)
     assert set(torch.library.opcheck(BACKWARD, (y, randn(6, 100), -1, y.dtype)).values()) == {"SUCCESS"}
+
+
+class Logged(TorchDispatchMode):
+    """The operators torch dispatches in the block, as a logger or a FLOP counter sees them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_watched_calls_run_the_operators():
+    """A TorchDispatchMode (a logger, FlopCounterMode, make_fx) and torch.jit.trace see an operator only through its
+    dispatcher, which plain calls skip: a watched call, of a layout launched before too, runs the operators, forward
+    and backward, with torch's values."""
+    x, dy = randn(4, 50), randn(4, 50, scale=1.0)
+    y = helpers.softmax(x, 0)  # plain calls: each layout's launch is kept
+    helpers.softmax_backward(y, dy, 0)
+    with Logged() as logged:
+        y_watched, dx = helpers.softmax(x, 0), helpers.softmax_backward(y, dy, 0)
+    assert logged.ops == [FORWARD, BACKWARD]
+    torch.testing.assert_close(y_watched, torch.softmax(x, 0))
+    torch.testing.assert_close(dx.double(), torch_backward(y, dy, 0), **backward_tolerance(y, dy, 0))
+    traced = torch.jit.trace(lambda x: helpers.softmax(x, 0), x)
+    assert "softmax_course::softmax" in {node.kind() for node in traced.graph.nodes()}
+    x_new = randn(4, 50)
+    torch.testing.assert_close(traced(x_new), torch.softmax(x_new, 0))
 
 
 def traced_operators(fn, tracing_mode: str, *args) -> set[str]:
