@@ -1,5 +1,7 @@
 """helpers.softmax_forward against torch.softmax: shapes, dims, strides, dtypes, special values, empty tensors."""
 
+import concurrent.futures
+
 import pytest
 import torch
 from conftest import (
@@ -105,6 +107,25 @@ def test_lazily_negated_views(dim):
         (dx,), (expected,) = (torch.autograd.grad(softmax(t, dim), t, x) for softmax, t in (
             (helpers.softmax, x_grad), (torch.softmax, x_torch)))
         torch.testing.assert_close(dx, expected, **backward_tolerance(torch.softmax(x, dim), x, dim))
+
+
+def test_calls_from_threads():
+    """Calls from eight threads at once, of rows and columns, forward and backward, each with torch's values (Triton's
+    interpreter keeps the grid it runs in one place for the process: ``recipes`` runs one launch at a time)."""
+    inputs = [randn(16, 300 + i) for i in range(16)]
+
+    def call(i):
+        x, dim = inputs[i], i % 2 - 1  # dims 0 and -1 in turn: columns and rows
+        y = helpers.softmax(x, dim)
+        dy = torch.ones_like(x).cumsum(dim)  # dx = y * (dy - sum(y * dy)): not zero
+        return y, helpers.softmax_backward(y, dy, dim), torch.softmax(x, dim), dy, dim
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, range(16)))
+    for y, dx, expected, dy, dim in results:
+        torch.testing.assert_close(y, expected, **TOLERANCE[torch.float32])
+        torch.testing.assert_close(dx.double(), torch_backward(expected, dy, dim),
+                                   **backward_tolerance(expected, dy, dim))
 
 
 def test_special_values():
