@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import operator
 
+import numpy
 import torch
 from torch.autograd import forward_ad
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
@@ -61,8 +62,13 @@ def _wrapped_by_torch_func(*tensors: torch.Tensor) -> bool:
 
 
 def _int_dim(dim: object) -> int:
-    """torch's rule for a dim's type: an int, or an integer that converts exactly (numpy's), but not a bool."""
-    if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
+    """torch's rule for a dim's type: an int, or an integer that converts exactly (numpy's scalars, a 0-d integer
+    tensor), but not a bool, an array or a tensor of more dims."""
+    if isinstance(dim, torch.Tensor):
+        integer = dim.ndim == 0 and not (dim.is_floating_point() or dim.is_complex() or dim.dtype == torch.bool)
+    else:
+        integer = not isinstance(dim, (bool, numpy.ndarray)) and hasattr(type(dim), "__index__")
+    if not integer:
         raise TypeError(f"dim must be an int, not {type(dim).__name__}")
     return operator.index(dim)
 

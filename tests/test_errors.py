@@ -43,7 +43,8 @@ def test_shape_mismatch():
         helpers.softmax_backward(randn(3, 4), randn(4, 3))
 
 
-@pytest.mark.parametrize("dim", [1.0, True, None, "1"], ids=["float", "bool", "None", "str"])
+@pytest.mark.parametrize("dim", [1.0, True, None, "1", torch.tensor(True), torch.tensor([1]), np.array(1)],
+                         ids=["float", "bool", "None", "str", "bool tensor", "1-d tensor", "numpy array"])
 def test_dim_must_be_an_int(dim):
     """torch refuses a dim that is not an int, even one equal to an int's value, which a layout called before with
     that int must not take for it."""
@@ -57,12 +58,14 @@ def test_dim_must_be_an_int(dim):
         torch.softmax(x, dim)
 
 
-def test_numpy_integer_dim():
+@pytest.mark.parametrize("dim", [np.int64(0), torch.tensor(0)], ids=["numpy integer", "0-d integer tensor"])
+def test_integer_dims(dim):
+    """The integers torch takes for an int."""
     x = randn(3, 4)
-    y = torch.softmax(x, 0)
-    torch.testing.assert_close(helpers.softmax(x, np.int64(0)), y)
-    torch.testing.assert_close(helpers.softmax_backward(y, x, np.int64(0)), helpers.softmax_backward(y, x, 0))
-    torch.testing.assert_close(helpers.graph_softmax(x, np.int64(0)), y)
+    y = torch.softmax(x, dim)
+    torch.testing.assert_close(helpers.softmax(x, dim), y)
+    torch.testing.assert_close(helpers.softmax_backward(y, x, dim), helpers.softmax_backward(y, x, 0))
+    torch.testing.assert_close(helpers.graph_softmax(x, dim), y)
 
 
 @pytest.mark.parametrize("layout", ["sparse", "sparse-csr"])
