@@ -35,7 +35,7 @@ TOLERANCE = {
 }
 # dx where y * dy is of order 1 (backward_tolerance scales the atol to the data): a few roundings of y's dtype in
 # absolute terms, since dx = y * (dy - <y, dy>) cancels where dy is near <y, dy>, and two implementations' y (each
-# rounded) move <y, dy> by a rounding of y * dy.
+# rounded) move <y, dy> by a rounding of y * dy. From one y, <y, dy> errs by the sum's roundings only: fp32's atol.
 BACKWARD_TOLERANCE = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
@@ -44,20 +44,23 @@ BACKWARD_TOLERANCE = {
 }
 
 
-def backward_tolerance(y, dy, dim, dtype=None, tolerances=BACKWARD_TOLERANCE):
-    """The tolerance of dx = y * (dy - <y, dy>) against another implementation's, for the rounding of ``dtype`` (y's
-    unless given): the rtol of ``tolerances`` (BACKWARD_TOLERANCE unless given), and its atol times the data's scale.
-    dx_i errs by y_i times the error of <y, dy>, a few roundings of sum_j |y_j dy_j|, so the scale is the largest
-    max_i |y_i| * sum_j |y_j dy_j| of any row. A long row's y is far below 1 and its atol with it, down to the spacing
-    of the dtype's subnormals (where a long fp16 row's dx lies); special values are left to ``equal_nan``."""
+def backward_tolerance(y, dy, dim, dtype=None, tolerances=BACKWARD_TOLERANCE, separate_y=False):
+    """The tolerance of dx = y * (dy - <y, dy>) against torch's, for the rounding of ``dtype`` (y's unless given): the
+    rtol of ``tolerances`` (BACKWARD_TOLERANCE unless given) for dx's own rounding, and an atol for the error of
+    <y, dy>, which dx_i takes times y_i. Against torch's dx from the same y, that error is the kernels' sum, in fp32
+    (fp64 if y or dy is); with ``separate_y`` (gradients of x, each implementation's from a y it rounded to ``dtype``)
+    it is a few roundings of ``dtype``. The atol is that dtype's in ``tolerances`` times the data's scale, the largest
+    max_i |y_i| * sum_j |y_j dy_j| of any row: a long row's y is far below 1 and its atol with it, down to the spacing
+    of the dtype's subnormals (where a long fp16 row's dx lies). Special values are left to ``equal_nan``."""
     dtype = dtype or y.dtype
     tolerance = tolerances[dtype]
     if y.numel() == 0:
         return tolerance
+    summed_in = dtype if separate_y else torch.float64 if torch.float64 in (y.dtype, dy.dtype) else torch.float32
     y, dy = (t.double().nan_to_num(0.0, 0.0, 0.0) for t in (y, dy))
     scale = (y.abs().amax(dim) * (y * dy).abs().sum(dim)).max().item()
     subnormal_spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-    return dict(atol=max(tolerance["atol"] * scale, subnormal_spacing), rtol=tolerance["rtol"])
+    return dict(atol=max(tolerances[summed_in]["atol"] * scale, subnormal_spacing), rtol=tolerance["rtol"])
 
 
 @pytest.fixture(autouse=True)
