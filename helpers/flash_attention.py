@@ -75,15 +75,18 @@ def _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride
         else:
             kT, v = tl.load(kT_ptrs), tl.load(v_ptrs)
         qk = tl.dot(q, kT, input_precision="ieee")  # the scores are qk * qk_scale, in base 2
-        if MASKED:
+        # Key 0 is in every row's first block and never masked: m is finite from there on, so no -inf - (-inf).
+        if MASKED:  # scaled, then masked: a masked -inf times a qk_scale of 0 would be NaN
             keep = cols[None, :] < seq_k  # keys past the end, and (causal) after the query
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
-            qk = tl.where(keep, qk, float("-inf"))
-        # Key 0 is in every row's first block and never masked: m is finite from there on, so no -inf - (-inf).
-        m_new = tl.maximum(m, tl.max(qk, axis=1) * qk_scale)  # qk_scale > 0: the max of the scaled scores
+            s = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:  # qk_scale >= 0 (attention_forward turns a negative one round): the max of qk, scaled, is the scores'
+            m_new = tl.maximum(m, tl.max(qk, axis=1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one multiply-add a score before the exp
         alpha = tl.math.exp2(m - m_new)  # rescales what was summed under the old max
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one multiply-add a score before the exp
         d = d * alpha + tl.sum(p, axis=1)
         o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision="ieee")
         m = m_new
@@ -282,6 +285,8 @@ def _widened(body, tensors: tuple[torch.Tensor, ...], *rest) -> tuple[torch.Tens
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward launch, the body of ``softmax_course::attention``: (O, L), L each row's base-2 log-sum-exp (fp32)."""
+    if scale < 0:  # the kernels scale the max of QK^T, the scores' max for a scale >= 0: the same scores are -scale
+        return attention_forward(q, k.neg(), v, causal, -scale)  # times Q (-K)^T
     if INTERPRET and q.dtype == torch.bfloat16:  # see _widened
         return _widened(attention_forward, (q, k, v), causal, scale)
     batch, heads, seq_q, head_dim = q.shape
@@ -299,6 +304,9 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        L: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward launches, the body of ``softmax_course::attention_backward``: (dQ, dK, dV) from the saved O and L
     (and an fp32 scratch delta)."""
+    if scale < 0:  # as the forward ran, on -K with -scale: dQ = -scale dS (-K) is right as it is, dK is for -K
+        dq, dk, dv = attention_backward(do, q, k.neg(), v, o, L, causal, -scale)
+        return dq, dk.neg(), dv
     if INTERPRET and q.dtype == torch.bfloat16:
         return _widened(attention_backward, (do, q, k, v, o), L, causal, scale)
     batch, heads, seq_q, head_dim = q.shape

@@ -8,6 +8,7 @@ multiples of the 32-row tiles (1, 17, 100, 130, and queries and keys of differen
 GPU the same file also runs real sizes: head_dim 64/128, sequences of 1000 and 4097, fp16 and bf16.
 """
 
+import functools
 import math
 import os
 import subprocess
@@ -17,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ON_GPU, traced_by_torch
+from torch.autograd import forward_ad
+from torch.utils._pytree import tree_leaves
 
 import helpers
 from helpers import flash_attention
@@ -144,10 +147,28 @@ def test_any_strides():
         assert_near(leaf.grad, expected_grad, torch.float32, name=name)
 
 
-def test_scale():
-    q, k, v, _ = qkv(1, 2, 33, 33, 16)
-    o = helpers.attention(q.float(), k.float(), v.float(), scale=0.3)
-    torch.testing.assert_close(o.double(), attention_reference(q, k, v, scale=0.3), atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("scale", [0.3, 0.0, -0.25], ids=["0.3", "zero", "negative"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_scale(scale, causal):
+    """Any finite scale, as SDPA takes. At 0 every visible key weighs the same: a masked score is set to -inf after
+    it is scaled, not before (-inf * 0 is NaN). A negative scale reverses the scores' order, so the max of QK^T is no
+    longer the scaled scores' max: the kernels run it as -scale on -K. 33 keys: an unmasked tile and a masked one."""
+    q, k, v, do = qkv(1, 2, 40, 33, 16)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    o = helpers.attention(*leaves, causal=causal, scale=scale)
+    exact_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = attention_reference(*exact_leaves, causal, scale)
+    assert_near(o.detach(), expected.detach(), torch.float32, name="O")
+    for name, grad, expected_grad in zip(("dQ", "dK", "dV"), torch.autograd.grad(o, leaves, do.float()),
+                                         torch.autograd.grad(expected, exact_leaves, do), strict=True):
+        assert_near(grad, expected_grad, torch.float32, name=name)
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])
+def test_scale_not_finite(scale):
+    q = tensor(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        helpers.attention(q, q, q, scale=scale)
 
 
 def test_empty():
@@ -199,10 +220,12 @@ def op_inputs(dtype=torch.float32):
 UNREADABLE_KERNEL = "Encountered an exception in identify_mutated_tensors"
 
 
+@pytest.mark.parametrize("scale", [0.25, None], ids=["0.25", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_opcheck_forward(dtype, caplog):
+def test_opcheck_forward(dtype, scale, caplog):
+    """scale=None: the operator works out 1/sqrt(head_dim) itself, from head_dim as a symbol in the dynamic trace."""
     q, k, v, _ = op_inputs(dtype)
-    args = (q.requires_grad_(), k.requires_grad_(), v.transpose(-2, -1).contiguous().transpose(-2, -1), True, 0.25)
+    args = (q.requires_grad_(), k.requires_grad_(), v.transpose(-2, -1).contiguous().transpose(-2, -1), True, scale)
     results = torch.library.opcheck(FORWARD, args, raise_exception=False)
     failed = {test for test, result in results.items() if result != "SUCCESS"}
     if failed == {"test_aot_dispatch_dynamic"} and UNREADABLE_KERNEL in caplog.text:
@@ -215,6 +238,80 @@ def test_opcheck_backward():
     o, L = FORWARD(q, k, v, False, 0.25)
     results = torch.library.opcheck(BACKWARD, (do.expand_as(o), q, k, v, o, L, False, 0.25))
     assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_the_operators_check_their_inputs():
+    """Called by name (a traced graph, a user), the operators refuse what helpers.attention refuses: k and v of fewer
+    heads than q, or an L of fewer rows, would be read past their ends."""
+    q, k, v, do = op_inputs()
+    with pytest.raises(ValueError, match="share batch, heads and head_dim"):
+        FORWARD(q, k[:, :1], v[:, :1], False, None)
+    o, L = FORWARD(q, k, v, False, None)
+    with pytest.raises(ValueError, match="L must have shape"):
+        BACKWARD(do, q, k, v, o, L[:, :1], False, None)
+    with pytest.raises(ValueError, match="dO must have shape"):
+        BACKWARD(do[:, :, :5], q, k, v, o, L, False, None)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the checks' shape tests, constant in the trace
+def test_the_default_scale_is_the_operators():
+    """scale=None reaches the operator, which takes 1/sqrt(head_dim) of the q it is given: a torch.jit.trace recorded
+    at head_dim 16 replays at head_dim 32 with head_dim 32's scale."""
+    traced = torch.jit.trace(lambda q, k, v: helpers.attention(q, k, v), [t.float() for t in qkv(1, 2, 20, 20, 16)[:3]])
+    q, k, v, _ = qkv(1, 2, 20, 20, 32)
+    assert_near(traced(q.float(), k.float(), v.float()), attention_reference(q, k, v), torch.float32)
+
+
+TRANSFORMS = {  # each of ``f(q, k, v)``, its results' leaves compared
+    "grad": lambda f, q, k, v, do: torch.func.grad(lambda *a: (f(*a) * do).sum(), argnums=(0, 1, 2))(q, k, v),
+    "vjp": lambda f, q, k, v, do: torch.func.vjp(f, q, k, v)[1](do),
+    "jacrev": lambda f, q, k, v, do: torch.func.jacrev(f, argnums=1)(q[:, :, :3], k, v),  # jacobian of O by K
+    "vmap over k": lambda f, q, k, v, do: torch.func.vmap(f, in_dims=(None, 0, None))(q, torch.stack([k, -k]), v),
+    "vmap of grad": lambda f, q, k, v, do: torch.func.vmap(torch.func.grad(lambda *a: f(*a).sum()))(
+        torch.stack([q, 2 * q]), torch.stack([k, k]), torch.stack([v, -v])),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_torch_func_transforms(transform):
+    """torch.func's reverse-mode transforms and vmap run the kernels (vmap as more batch rows): fp32 values against
+    the same transform of the reference in float64."""
+    q, k, v, do = qkv(1, 2, 20, 17, 16)
+    ours = TRANSFORMS[transform](lambda *a: helpers.attention(*a, causal=True), *(t.float() for t in (q, k, v, do)))
+    exact = TRANSFORMS[transform](lambda *a: attention_reference(*a, causal=True), q, k, v, do)
+    for actual, expected in zip(tree_leaves(ours), tree_leaves(exact), strict=True):
+        assert actual.shape == expected.shape
+        assert_near(actual, expected, torch.float32, name=transform)
+
+
+def dual(run):
+    with forward_ad.dual_level():
+        return run()
+
+
+@pytest.mark.parametrize("mode", ["jvp", "jacfwd", "hessian", "dual", "functionalize"])
+def test_forward_mode_is_refused(mode):
+    """No forward rule: the operator's autograd would give zero tangents, so forward mode raises instead."""
+    q, k, v = (t.float() for t in qkv(1, 1, 4, 4, 16)[:3])
+    f = functools.partial(helpers.attention, k=k, v=v)
+    runs = {"jvp": lambda: torch.func.jvp(f, (q,), (torch.ones_like(q),)),
+            "jacfwd": lambda: torch.func.jacfwd(f)(q),
+            "hessian": lambda: torch.func.hessian(lambda q: f(q).sum())(q),
+            "dual": lambda: dual(lambda: f(forward_ad.make_dual(q, torch.ones_like(q)))),
+            "functionalize": lambda: torch.func.jvp(torch.func.functionalize(f), (q,), (torch.ones_like(q),))}
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        runs[mode]()
+
+
+@pytest.mark.parametrize("call", ["attention", "operator"])
+def test_double_backward_is_refused(call):
+    """The backward is not differentiable again: a gradient of the gradients raises, whether autograd went through
+    helpers.attention or the operator's registered rule."""
+    q, k, v = (t.float().requires_grad_() for t in qkv(1, 1, 4, 4, 16)[:3])
+    o = helpers.attention(q, k, v) if call == "attention" else FORWARD(q, k, v, False, None)[0]
+    (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="not differentiable"):
+        dq.sum().backward()
 
 
 def causal_attention(q, k, v):
