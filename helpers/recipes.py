@@ -47,6 +47,9 @@ class Step:
     num_warps: int
     max_registers: int | None = None
     direct: object = None  # once prepared: a function of (addresses, stream) that launches (``_direct_launch``)
+    build: object = None  # the compiled kernel ``direct`` launches, kept alive with it: from Triton 3.7 a build that
+    # is freed unloads its module, and ``direct``'s function handle with it (two threads that compile one build at
+    # once each make one, and Triton's cache and ``_builds`` keep only one of the two)
 
     def run(self, tensors: tuple[torch.Tensor, ...]) -> None:
         """Launch through ``kernels.launch``: traced tensors, or the interpreter, one launch at a time (it keeps the
@@ -70,7 +73,7 @@ class Step:
                 _builds.clear()
             _builds[key] = compiled
         constants = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(tensors) + len(self.ints):])
-        self.direct = _direct_launch(compiled, self.grid, (*self.ints, *constants))
+        self.build, self.direct = compiled, _direct_launch(compiled, self.grid, (*self.ints, *constants))
         return self.direct
 
 

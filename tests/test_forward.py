@@ -1,6 +1,7 @@
 """helpers.softmax_forward against torch.softmax: shapes, dims, strides, dtypes, special values, empty tensors."""
 
 import concurrent.futures
+import gc
 
 import pytest
 import torch
@@ -413,6 +414,20 @@ def test_growing_lengths_share_builds(dtype):
         check_forward(x[:, 5:5 + n_cols])  # a start off 16 bytes
         check_forward(randn(3, n_cols, dtype=dtype))
     assert len(helpers.recipes._builds) - builds_before < 3 * len(lengths)
+
+
+@pytest.mark.skipif(not helpers.recipes.LAUNCH_DIRECTLY, reason="builds are kept for the GPU's direct launches")
+def test_direct_launches_keep_their_builds():
+    """A prepared launch keeps its compiled kernel alive, though ``recipes._builds`` and Triton's cache let it go
+    (from Triton 3.7 a freed build unloads its module: the launch would fail with "invalid resource handle")."""
+    x = randn(7, 333)
+    check_forward(x)  # the first call prepares its launches
+    kernels = {step.kernel for recipe in helpers.recipes._recipes.values() for step in recipe.steps}
+    helpers.recipes._builds.clear()
+    for kernel in kernels:
+        kernel.device_caches.clear()  # Triton's own references to its builds
+    gc.collect()
+    check_forward(x)  # the same layout: the prepared launches
 
 
 class Tagged(torch.Tensor):
