@@ -8,6 +8,8 @@ follow the course's table of symbols: ``x`` input, ``y`` softmax output, ``dy``/
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,11 @@ def has_data(t: torch.Tensor) -> bool:
                                        and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 
+# Triton's interpreter keeps the grid it runs in one place for the whole process, so two threads' launches at once
+# would mix: launches with data run one at a time.
+_one_launch_at_a_time = threading.Lock()
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``, in a form that torch.compile and torch.library can trace (notebook 08).
 
@@ -36,7 +43,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     CPU).
     """
     if all(has_data(a) for a in args if isinstance(a, torch.Tensor)):
-        kernel[grid](*args, **options)
+        with _one_launch_at_a_time:
+            kernel[grid](*args, **options)
     elif not INTERPRET:
         wrap_triton(kernel)[grid](*args, **options)
 

@@ -31,9 +31,6 @@ class Buffer:
         return torch.full((self.numel,), self.fill, dtype=self.dtype, device=device)
 
 
-_one_launch_at_a_time = threading.Lock()
-
-
 @dataclass
 class Step:
     """One launch of a call: ``kernel`` on ``grid`` programs of ``num_warps`` warps, compiled within ``max_registers``
@@ -52,11 +49,9 @@ class Step:
     # once each make one, and Triton's cache and ``_builds`` keep only one of the two)
 
     def run(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Launch through ``kernels.launch``: traced tensors, or the interpreter, one launch at a time (it keeps the
-        grid it runs in one place for the whole process, so two threads' launches at once would mix)."""
-        with _one_launch_at_a_time:
-            launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs,
-                   **compile_options(self.num_warps, self.max_registers))
+        """Launch through ``kernels.launch``: traced tensors, or the interpreter."""
+        launch(self.kernel, (self.grid,), *tensors, *self.ints, **self.constexprs,
+               **compile_options(self.num_warps, self.max_registers))
 
     def prepare(self, tensors: tuple[torch.Tensor, ...]):
         """Find the kernel's build for ``tensors`` (``_builds``; else compile it, or find it in Triton's cache) and

@@ -112,7 +112,7 @@ def test_lazily_negated_views(dim):
 
 def test_calls_from_threads():
     """Calls from eight threads at once, of rows and columns, forward and backward, each with torch's values (Triton's
-    interpreter keeps the grid it runs in one place for the process: ``recipes`` runs one launch at a time)."""
+    interpreter keeps the grid it runs in one place for the process: ``kernels.launch`` runs one launch at a time)."""
     inputs = [randn(16, 300 + i) for i in range(16)]
 
     def call(i):
