@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import torch
 
+from . import recipes
 from .device import DEVICE, INTERPRET
 from .flash_attention import DTYPES, HEAD_DIMS, attention_backward, attention_forward
 from .ops import _forward_mode_on, _on_kernel_device, _operator, _watched
@@ -35,6 +37,9 @@ def _check(q: object, k: object, v: object) -> None:
         if t.dtype != q.dtype:
             raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
         _check_device(name, t)
+        if t.layout != torch.strided or t.is_nested:
+            raise NotImplementedError(f"{name} is a {'nested' if t.is_nested else t.layout} tensor; the kernels take "
+                                      f"dense (strided) tensors")
         if t.ndim != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
@@ -43,7 +48,7 @@ def _check(q: object, k: object, v: object) -> None:
     head_dim = q.shape[3]
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be a power of two from 16 to 128 (one tile wide), got {head_dim}")
-    if k.shape[2] == 0 and q.shape[2] > 0:
+    if k.shape[2] == 0 and q.numel() > 0:
         raise ValueError("k and v have no keys (seq length 0): softmax over no scores is undefined")
     if q.is_cuda and not torch.compiler.is_compiling() and _before_ampere(q.get_device()):
         raise RuntimeError("attention needs a GPU of compute capability 8.0 or newer: tl.dot is broken on older ones "
@@ -61,9 +66,10 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The operator's body: (O, L) of checked inputs, L each row's base-2 log-sum-exp (fp32)."""
+    """The operator's body: (O, L) of checked inputs, L each row's base-2 log-sum-exp (fp32). A lazily negated view
+    (w.conj().imag) is negated first: the kernels read its data as it is stored."""
     _check(q, k, v)
-    return attention_forward(q, k, v, causal, _scale(q, scale))
+    return attention_forward(q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), causal, _scale(q, scale))
 
 
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, L: torch.Tensor,
@@ -76,6 +82,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if t.shape != shape or t.dtype != dtype:
             raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, as the forward returns it: "
                              f"got {tuple(t.shape)} and {t.dtype}")
+    do, q, k, v, o = (t.resolve_neg() for t in (do, q, k, v, o))
     return attention_backward(do, q, k, v, o, L, causal, _scale(q, scale))
 
 
@@ -86,6 +93,7 @@ _attention_backward_op = _operator("softmax_course::attention_backward", _backwa
 def _setup_context(ctx, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     q, k, v, ctx.causal, ctx.scale = inputs
     ctx.save_for_backward(q, k, v, *output)  # O and L: the backward recomputes P from them, never stores it
+    ctx.mark_non_differentiable(output[1])  # L: the operator returns it for the backward, not for a loss
 
 
 def _backward_autograd(ctx, do: torch.Tensor, dL: torch.Tensor | None) -> tuple:
@@ -104,15 +112,14 @@ def _not_differentiable(ctx, *grads: torch.Tensor) -> tuple:
 torch.library.register_autograd("softmax_course::attention_backward", _not_differentiable)
 
 
-def _as_batch(info, in_dims: tuple, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """A torch.func.vmap batch as more batch rows: each tensor's vmap dim moved first (expanded where it has none)
-    and merged with the batch dim after it."""
-    return [(t.movedim(b, 0) if b is not None else t.expand(info.batch_size, *t.shape)).flatten(0, 1)
-            for t, b in zip(tensors, in_dims[:len(tensors)], strict=True)]
-
-
-def _split_batch(info, outputs: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    return tuple(t.unflatten(0, (info.batch_size, -1)) for t in outputs), (0,) * len(outputs)
+def _vmapped(fn, info, in_dims: tuple, tensors: tuple[torch.Tensor, ...], *rest) -> tuple:
+    """``fn`` over a torch.func.vmap batch as more batch rows: each tensor's vmap dim moved first (expanded where it
+    has none) and merged with the batch dim after it. Returns the outputs and their vmap dims (0)."""
+    batched = [t.movedim(b, 0) if b is not None else t.expand(info.batch_size, *t.shape)
+               for t, b in zip(tensors, in_dims[:len(tensors)], strict=True)]
+    outputs = fn(*(t.flatten(0, 1) for t in batched), *rest)
+    rows = batched[0].shape[1]  # each sample's batch
+    return tuple(t.unflatten(0, (info.batch_size, rows)) for t in outputs), (0,) * len(outputs)
 
 
 FORWARD_MODE_REFUSED = ("forward-mode AD (forward_ad, torch.func.jvp, jacfwd, hessian) through attention: its kernels "
@@ -134,7 +141,7 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims: tuple, q, k, v, causal: bool, scale: float | None) -> tuple:
-        return _split_batch(info, _attention(*_as_batch(info, in_dims, (q, k, v)), causal, scale))
+        return _vmapped(_attention, info, in_dims, (q, k, v), causal, scale)
 
 
 class AttentionBackward(torch.autograd.Function):
@@ -150,13 +157,15 @@ class AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims: tuple, do, q, k, v, o, L, causal: bool, scale: float | None) -> tuple:
-        return _split_batch(info, _attention_backward(*_as_batch(info, in_dims, (do, q, k, v, o, L)), causal, scale))
+        return _vmapped(_attention_backward, info, in_dims, (do, q, k, v, o, L), causal, scale)
 
 
 def _traced(*tensors: torch.Tensor) -> bool:
-    """Whether a tracer must see the operators: torch.compile, a dispatch mode, torch.jit.trace, or
-    torch.func.functionalize, whose wrappers autograd.Functions do not take."""
-    return torch.compiler.is_compiling() or _watched() or any(torch._is_functional_tensor(t) for t in tensors)
+    """Whether the operators must run, for a tracer or a tensor subclass to see them: torch.compile, a dispatch mode,
+    torch.jit.trace, tensors without data (a subclass with its own dispatch, FakeTensors), or torch.func.functionalize,
+    whose wrappers autograd.Functions do not take."""
+    return (torch.compiler.is_compiling() or _watched() or not recipes.plain(tensors)
+            or any(torch._is_functional_tensor(t) for t in tensors))
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
@@ -188,4 +197,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     work under autograd and torch.func (grad, vjp, jacrev, vmap); forward mode and double backward are refused.
     """
     _check(q, k, v)  # before autograd.Function takes the arguments: its own errors would name none of them
-    return _attention(q, k, v, bool(causal), None if scale is None else float(scale))[0]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not (scale is None or isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    return _attention(q, k, v, causal, None if scale is None else float(scale))[0]

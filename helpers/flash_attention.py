@@ -59,14 +59,24 @@ def blocks_for(kernel: str, head_dim: int, dtype: torch.dtype) -> Blocks:
 
 
 @triton.jit
+def _indices(start, SIZE: tl.constexpr, WIDE: tl.constexpr):
+    """start, start + 1, ..., start + SIZE - 1: in 64 bits where a tensor's offsets within a head may pass 2**31
+    elements (``wide_offsets``), so that an index times a stride does not wrap; else in 32, which address faster."""
+    indices = start + tl.arange(0, SIZE)
+    if WIDE:
+        indices = indices.to(tl.int64)
+    return indices
+
+
+@triton.jit
 def _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows, lo, hi, seq_k,
                     qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                    MASKED: tl.constexpr):
+                    MASKED: tl.constexpr, WIDE: tl.constexpr):
     """Merge key blocks [lo, hi) into a query tile's running (m, d, o). MASKED: blocks the diagonal crosses and the
     ragged last one; the others need no mask on the scores."""
-    dims = tl.arange(0, HEAD_DIM)
+    dims = _indices(0, HEAD_DIM, WIDE)
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
+        cols = _indices(start_n, BLOCK_N, WIDE)
         kT_ptrs = k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d  # K^T tile: (HEAD_DIM, BLOCK_N)
         v_ptrs = v_base + cols[:, None] * v_stride_s + dims[None, :] * v_stride_d
         if MASKED:  # only a ragged last block reads past the end
@@ -102,13 +112,13 @@ def attention_forward_kernel(
     v_stride_b, v_stride_h, v_stride_s, v_stride_d, o_stride_b, o_stride_h, o_stride_s, o_stride_d,
     n_heads, seq_q, seq_k,
     qk_scale,  # scale * log2(e): softmax(scale * QK^T) = normalised exp2(qk_scale * QK^T)
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One program per (query tile, batch * head): O and L in one pass over the keys."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64: it would widen every score
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)  # 64-bit: large tensors' offsets
-    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    rows, dims = _indices(start_m, BLOCK_M, WIDE), _indices(0, HEAD_DIM, WIDE)
     q_base = q_ptr + batch * q_stride_b + head * q_stride_h
     q = tl.load(q_base + rows[:, None] * q_stride_s + dims[None, :] * q_stride_d, mask=rows[:, None] < seq_q, other=0.0)
     k_base, v_base = k_ptr + batch * k_stride_b + head * k_stride_h, v_ptr + batch * v_stride_b + head * v_stride_h
@@ -122,9 +132,9 @@ def attention_forward_kernel(
     else:
         unmasked_end, end = whole_end, seq_k
     o, d, m = _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows,
-                              0, unmasked_end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False)
+                              0, unmasked_end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False, WIDE)
     o, d, m = _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows,
-                              unmasked_end, end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True)
+                              unmasked_end, end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True, WIDE)
     o_ptrs = o_ptr + batch * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_s + dims[None, :] * o_stride_d
     tl.store(o_ptrs, (o / d[:, None]).to(o_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
     tl.store(L_ptr + bh.to(tl.int64) * seq_q + rows, m + tl.math.log2(d), mask=rows < seq_q)
@@ -133,11 +143,11 @@ def attention_forward_kernel(
 @triton.jit
 def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, o_stride_b, o_stride_h, o_stride_s, o_stride_d, do_stride_b,
                            do_stride_h, do_stride_s, do_stride_d, n_heads, seq_q, HEAD_DIM: tl.constexpr,
-                           BLOCK_M: tl.constexpr):
+                           BLOCK_M: tl.constexpr, WIDE: tl.constexpr):
     """Backward preprocess: delta = rowsum(dO * O) (= rowsum(P * dP)), fp32, contiguous (batch, heads, seq_q)."""
     bh = tl.program_id(1)
     batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
-    rows, dims = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    rows, dims = _indices(tl.program_id(0) * BLOCK_M, BLOCK_M, WIDE), _indices(0, HEAD_DIM, WIDE)
     o_base, do_base = o_ptr + batch * o_stride_b + head * o_stride_h, do_ptr + batch * do_stride_b + head * do_stride_h
     o = tl.load(o_base + rows[:, None] * o_stride_s + dims[None, :] * o_stride_d, mask=rows[:, None] < seq_q, other=0.0)
     do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
@@ -148,13 +158,14 @@ def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, o_stride_b, o_stride_h, o_s
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s, do_stride_d,
-                 cols, lo, hi, seq_q, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+                 cols, lo, hi, seq_q, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                 WIDE: tl.constexpr):
     """Add query blocks [lo, hi) to a key tile's dK and dV. Works on transposed tiles (S^T, P^T: keys down, queries
     across) so the products need no transpose of P. MASKED: blocks the causal diagonal crosses. Padding queries load
     as zeros (q = dO = 0), so their terms vanish without a mask."""
-    dims = tl.arange(0, HEAD_DIM)
+    dims = _indices(0, HEAD_DIM, WIDE)
     for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
+        rows = _indices(start_m, BLOCK_M, WIDE)
         qT = tl.load(q_base + rows[None, :] * q_stride_s + dims[:, None] * q_stride_d, mask=rows[None, :] < seq_q,
                      other=0.0)
         do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
@@ -178,13 +189,13 @@ def attention_dkdv_kernel(
     v_stride_b, v_stride_h, v_stride_s, v_stride_d, do_stride_b, do_stride_h, do_stride_s, do_stride_d,
     dk_stride_b, dk_stride_h, dk_stride_s, dk_stride_d,  # dk and dv: one layout
     n_heads, seq_q, seq_k, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One program per (key tile, batch * head): dK and dV over the query tiles that see these keys."""
     scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # fp64 under torch.compile
     start_n, bh = tl.program_id(0) * BLOCK_N, tl.program_id(1)
     batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
-    cols, dims = start_n + tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+    cols, dims = _indices(start_n, BLOCK_N, WIDE), _indices(0, HEAD_DIM, WIDE)
     k_base, v_base = k_ptr + batch * k_stride_b + head * k_stride_h, v_ptr + batch * v_stride_b + head * v_stride_h
     k = tl.load(k_base + cols[:, None] * k_stride_s + dims[None, :] * k_stride_d, mask=cols[:, None] < seq_k, other=0.0)
     v = tl.load(v_base + cols[:, None] * v_stride_s + dims[None, :] * v_stride_d, mask=cols[:, None] < seq_k, other=0.0)
@@ -199,9 +210,9 @@ def attention_dkdv_kernel(
         lo, diagonal_end = 0, 0
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s,
                           do_stride_d, cols, lo, tl.minimum(diagonal_end, seq_q), seq_q, qk_scale, HEAD_DIM, BLOCK_M,
-                          True)
+                          True, WIDE)
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s,
-                          do_stride_d, cols, diagonal_end, seq_q, seq_q, qk_scale, HEAD_DIM, BLOCK_M, False)
+                          do_stride_d, cols, diagonal_end, seq_q, seq_q, qk_scale, HEAD_DIM, BLOCK_M, False, WIDE)
     out = batch * dk_stride_b + head * dk_stride_h + cols[:, None] * dk_stride_s + dims[None, :] * dk_stride_d
     tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None] < seq_k)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None] < seq_k)
@@ -210,11 +221,11 @@ def attention_dkdv_kernel(
 @triton.jit
 def _dq_blocks(dq, q, do, L, delta, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows, lo, hi,
                seq_k, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, WIDE: tl.constexpr):
     """Add key blocks [lo, hi) to a query tile's dQ (the forward's walk, P recomputed from L)."""
-    dims = tl.arange(0, HEAD_DIM)
+    dims = _indices(0, HEAD_DIM, WIDE)
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
+        cols = _indices(start_n, BLOCK_N, WIDE)
         kT_ptrs = k_base + cols[None, :] * k_stride_s + dims[:, None] * k_stride_d
         vT_ptrs = v_base + cols[None, :] * v_stride_s + dims[:, None] * v_stride_d
         if MASKED:  # only a ragged last block reads past the end
@@ -241,13 +252,13 @@ def attention_dq_kernel(
     v_stride_b, v_stride_h, v_stride_s, v_stride_d, do_stride_b, do_stride_h, do_stride_s, do_stride_d,
     dq_stride_b, dq_stride_h, dq_stride_s, dq_stride_d,
     n_heads, seq_q, seq_k, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One program per (query tile, batch * head): dQ over the key tiles these queries see, as the forward walks."""
     scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # fp64 under torch.compile
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     batch, head = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
-    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    rows, dims = _indices(start_m, BLOCK_M, WIDE), _indices(0, HEAD_DIM, WIDE)
     q_base, do_base = q_ptr + batch * q_stride_b + head * q_stride_h, do_ptr + batch * do_stride_b + head * do_stride_h
     q = tl.load(q_base + rows[:, None] * q_stride_s + dims[None, :] * q_stride_d, mask=rows[:, None] < seq_q, other=0.0)
     do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
@@ -263,15 +274,32 @@ def attention_dq_kernel(
     else:
         unmasked_end, end = whole_end, seq_k
     dq = _dq_blocks(dq, q, do, L, delta, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows, 0,
-                    unmasked_end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False)
+                    unmasked_end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False, WIDE)
     dq = _dq_blocks(dq, q, do, L, delta, k_base, v_base, k_stride_s, k_stride_d, v_stride_s, v_stride_d, rows,
-                    unmasked_end, end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True)
+                    unmasked_end, end, seq_k, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True, WIDE)
     dq_ptrs = dq_ptr + batch * dq_stride_b + head * dq_stride_h + rows[:, None] * dq_stride_s \
         + dims[None, :] * dq_stride_d
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
 
 
 _new_output = torch.empty  # output storage; tests fill it with NaN so that unwritten elements show
+GRID_Y_LIMIT = 65535  # programs a CUDA grid takes along its second dim, batch * heads here
+
+
+def wide_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether an element's offset within a (batch, head) of a tensor may pass 2**31: the kernels then index their
+    rows and head_dim in 64 bits (``_indices``; batch and head offsets always are)."""
+    return any(max(t.shape[2] - 1, 0) * t.stride(2) + max(t.shape[3] - 1, 0) * t.stride(3) >= 2**31 for t in tensors)
+
+
+def _in_batch_chunks(body, tensors: tuple[torch.Tensor, ...], *rest) -> tuple[torch.Tensor, ...]:
+    """``body`` on slices of the batch whose batch * heads programs fit a grid (GRID_Y_LIMIT), outputs joined."""
+    heads = tensors[0].shape[1]
+    if heads > GRID_Y_LIMIT:
+        raise ValueError(f"{heads} heads: a launch takes at most {GRID_Y_LIMIT} (batch * heads) programs")
+    rows = GRID_Y_LIMIT // heads
+    parts = [body(*(t[start:start + rows] for t in tensors), *rest) for start in range(0, tensors[0].shape[0], rows)]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts, strict=True))
 
 
 def _widened(body, tensors: tuple[torch.Tensor, ...], *rest) -> tuple[torch.Tensor, ...]:
@@ -290,13 +318,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if INTERPRET and q.dtype == torch.bfloat16:  # see _widened
         return _widened(attention_forward, (q, k, v), causal, scale)
     batch, heads, seq_q, head_dim = q.shape
+    if batch * heads > GRID_Y_LIMIT:
+        return _in_batch_chunks(attention_forward, (q, k, v), causal, scale)
     o = _new_output(q.shape, dtype=q.dtype, device=q.device)
     L = _new_output((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     if o.numel() > 0:
         b = blocks_for("forward", head_dim, q.dtype)
         launch(attention_forward_kernel, (triton.cdiv(seq_q, b.block_m), batch * heads), q, k, v, o, L, *q.stride(),
                *k.stride(), *v.stride(), *o.stride(), heads, seq_q, k.shape[2], scale * LOG2E, HEAD_DIM=head_dim,
-               BLOCK_M=b.block_m, BLOCK_N=b.block_n, CAUSAL=causal, num_warps=b.num_warps, num_stages=b.num_stages)
+               BLOCK_M=b.block_m, BLOCK_N=b.block_n, CAUSAL=causal, WIDE=wide_offsets(q, k, v, o),
+               num_warps=b.num_warps, num_stages=b.num_stages)
     return o, L
 
 
@@ -310,6 +341,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if INTERPRET and q.dtype == torch.bfloat16:
         return _widened(attention_backward, (do, q, k, v, o), L, causal, scale)
     batch, heads, seq_q, head_dim = q.shape
+    if batch * heads > GRID_Y_LIMIT:
+        return _in_batch_chunks(attention_backward, (do, q, k, v, o, L), causal, scale)
     seq_k = k.shape[2]
     dq = _new_output(q.shape, dtype=q.dtype, device=q.device)
     dk = _new_output(k.shape, dtype=k.dtype, device=k.device)
@@ -318,15 +351,16 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         return dq, dk.zero_(), dv.zero_()
     L = L.contiguous()
     delta = torch.empty_like(L)
+    wide = wide_offsets(do, q, k, v, o, dq, dk)  # (dv is laid out as dk)
     launch(attention_delta_kernel, (triton.cdiv(seq_q, DELTA_BLOCK_M), batch * heads), o, do, delta, *o.stride(),
-           *do.stride(), heads, seq_q, HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M)
+           *do.stride(), heads, seq_q, HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M, WIDE=wide)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     b = blocks_for("dkdv", head_dim, q.dtype)
     launch(attention_dkdv_kernel, (triton.cdiv(seq_k, b.block_n), batch * heads), q, k, v, do, dk, dv, L, delta,
            *common, *dk.stride(), heads, seq_q, seq_k, scale, scale * LOG2E, HEAD_DIM=head_dim, BLOCK_M=b.block_m,
-           BLOCK_N=b.block_n, CAUSAL=causal, num_warps=b.num_warps, num_stages=b.num_stages)
+           BLOCK_N=b.block_n, CAUSAL=causal, WIDE=wide, num_warps=b.num_warps, num_stages=b.num_stages)
     b = blocks_for("dq", head_dim, q.dtype)
     launch(attention_dq_kernel, (triton.cdiv(seq_q, b.block_m), batch * heads), q, k, v, do, dq, L, delta,
            *common, *dq.stride(), heads, seq_q, seq_k, scale, scale * LOG2E, HEAD_DIM=head_dim, BLOCK_M=b.block_m,
-           BLOCK_N=b.block_n, CAUSAL=causal, num_warps=b.num_warps, num_stages=b.num_stages)
+           BLOCK_N=b.block_n, CAUSAL=causal, WIDE=wide, num_warps=b.num_warps, num_stages=b.num_stages)
     return dq, dk, dv

@@ -8,6 +8,7 @@ multiples of the 32-row tiles (1, 17, 100, 130, and queries and keys of differen
 GPU the same file also runs real sizes: head_dim 64/128, sequences of 1000 and 4097, fp16 and bf16.
 """
 
+import concurrent.futures
 import functools
 import math
 import os
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ON_GPU, traced_by_torch
 from torch.autograd import forward_ad
+from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._pytree import tree_leaves
 
 import helpers
@@ -180,6 +182,61 @@ def test_empty():
     assert o.shape == (1, 1, 0, 16) and q.grad.shape == q.shape
 
 
+def test_empty_without_keys():
+    """No keys is refused only where there are queries to answer: with batch or heads 0 the output is empty."""
+    for shape in ((0, 1, 4, 16), (1, 0, 4, 16)):
+        q = tensor(*shape).requires_grad_()
+        kv = tensor(*shape[:2], 0, 16)
+        o = helpers.attention(q, kv, kv)
+        o.sum().backward()
+        assert o.shape == shape and q.grad.shape == shape
+
+
+def test_lazily_negated_views():
+    """w.conj().imag is -w.imag with its data stored unnegated: q, k, v and dO such views, with the values of their
+    negation, as SDPA reads them."""
+    q, k, v, do = (t.float() for t in qkv(1, 2, 20, 17, 16))
+    negated = [torch.complex(torch.zeros_like(t), -t).conj().imag for t in (q, k, v, do)]  # each equal to t
+    assert all(t.is_neg() for t in negated)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = helpers.attention(*leaves, causal=True)
+    expected_grads = torch.autograd.grad(o, leaves, do)
+    views = [t.requires_grad_() for t in negated[:3]]
+    o_views = helpers.attention(*views, causal=True)
+    torch.testing.assert_close(o_views, o, atol=0, rtol=0)
+    for grad, expected in zip(torch.autograd.grad(o_views, views, negated[3]), expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected, atol=0, rtol=0)
+
+
+def test_offsets_past_2_to_the_31():
+    """Rows 2**30 elements apart, the last at an offset of 2**31 within its head: the kernels index in 64 bits for
+    such tensors (32-bit offsets wrapped, and read outside q, k and v). One 4 GB fp16 storage, of which the kernels
+    and the test touch a few rows."""
+    storage = torch.empty(2**31 + 64, dtype=torch.float16, device=helpers.DEVICE)
+    views = [storage.as_strided((1, 1, 3, 16), (0, 0, 2**30, 1), offset) for offset in (0, 16, 32)]
+    q, k, v, do = qkv(1, 1, 3, 3, 16)
+    for view, values in zip(views, (q, k, v), strict=True):
+        view.copy_(values)
+    assert flash_attention.wide_offsets(views[0]) and not flash_attention.wide_offsets(q)
+    leaves = [view.requires_grad_() for view in views]
+    o = helpers.attention(*leaves, causal=True)
+    sdpa, sdpa_grads = sdpa_with_grads(*views, do, True, torch.float16)
+    expected, expected_grads = reference_with_grads(*views, do, True)
+    assert_near(o.detach(), expected, torch.float16, sdpa, "O")
+    for name, grad, expected_grad, sdpa_grad in zip(("dQ", "dK", "dV"), torch.autograd.grad(o, leaves, do.half()),
+                                                   expected_grads, sdpa_grads, strict=True):
+        assert_near(grad, expected_grad, torch.float16, sdpa_grad, name)
+
+
+def test_batch_and_heads_past_a_grids_programs(monkeypatch):
+    """batch * heads programs over GRID_Y_LIMIT (CUDA's 65535, 3 here) launch in slices of the batch; heads alone
+    over it are refused."""
+    monkeypatch.setattr(flash_attention, "GRID_Y_LIMIT", 3)
+    check(3, 2, 20, 17, 16, True, torch.float32)  # 6 programs down: 3 launches of 1 batch each
+    with pytest.raises(ValueError, match="at most 3"):
+        helpers.attention(*(tensor(1, 4, 5, 16) for _ in range(3)))
+
+
 # ---- the PyTorch versions ----
 @pytest.mark.parametrize("seq_q, seq_k", [(17, 17), (40, 23), (23, 40)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -254,6 +311,47 @@ def test_the_operators_check_their_inputs():
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the checks' shape tests, constant in the trace
+def test_L_is_not_differentiable():
+    """L comes out of the operator for its backward: a loss on it would get no gradient, so it asks for none."""
+    q, k, v, _ = (t.requires_grad_() for t in op_inputs())
+    o, L = FORWARD(q, k, v, False, None)
+    assert o.requires_grad and not L.requires_grad
+
+
+@pytest.mark.parametrize("subclass", ["TwoTensor", "Parameter"])
+def test_tensor_subclasses(subclass):
+    """A subclass with a dispatch of its own (TwoTensor: two tensors in one) meets the operators, as it meets SDPA's:
+    its data is not the kernels' to read. nn.Parameter dispatches as a tensor and runs the kernels."""
+    q, k, v, do = (t.float() for t in qkv(1, 2, 20, 17, 16))
+    wrap = {"TwoTensor": lambda t: TwoTensor(t, 2 * t), "Parameter": torch.nn.Parameter}[subclass]
+    leaves = [wrap(t.clone()).requires_grad_() for t in (q, k, v)]
+    o = helpers.attention(*leaves, causal=True)
+    grads = torch.autograd.grad(o, leaves, wrap(do) if subclass == "TwoTensor" else do)
+    expected, expected_grads = reference_with_grads(q, k, v, do, True)
+    if subclass == "TwoTensor":
+        assert type(o) is TwoTensor
+        doubled = attention_reference(*(2 * t for t in (q, k, v)), True)
+        assert_near(o.b.detach(), doubled, torch.float32, name="O of the second tensor")
+        o, grads = o.a, [grad.a for grad in grads]
+    assert_near(o.detach(), expected, torch.float32, name="O")
+    for name, grad, expected_grad in zip(("dQ", "dK", "dV"), grads, expected_grads, strict=True):
+        assert_near(grad, expected_grad, torch.float32, name=name)
+
+
+def test_calls_from_threads():
+    """Four threads at once, each with its own lengths (Triton's interpreter keeps one grid for the process:
+    ``kernels.launch`` runs one launch at a time)."""
+    cases = [qkv(1, 2, 20 + 9 * i, 17 + 5 * i, 16, seed=i) for i in range(4)]
+
+    def call(case):
+        q, k, v, _ = case
+        return helpers.attention(q.float(), k.float(), v.float(), causal=True), attention_reference(q, k, v, True)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for o, expected in pool.map(call, cases):
+            assert_near(o, expected, torch.float32)
+
+
 def test_the_default_scale_is_the_operators():
     """scale=None reaches the operator, which takes 1/sqrt(head_dim) of the q it is given: a torch.jit.trace recorded
     at head_dim 16 replays at head_dim 32 with head_dim 32's scale."""
@@ -287,6 +385,12 @@ def test_torch_func_transforms(transform):
 def dual(run):
     with forward_ad.dual_level():
         return run()
+
+
+def test_vmap_over_no_samples():
+    q, k, v, _ = (t.float() for t in qkv(1, 2, 20, 17, 16))
+    o = torch.func.vmap(functools.partial(helpers.attention, causal=True), in_dims=(0, None, None))(q[None][:0], k, v)
+    assert o.shape == (0, 1, 2, 20, 16)
 
 
 @pytest.mark.parametrize("mode", ["jvp", "jacfwd", "hessian", "dual", "functionalize"])
@@ -359,6 +463,24 @@ def test_compiled_inductor_traces_the_kernels():
 
 
 # ---- what it refuses ----
+@pytest.mark.parametrize("causal, scale, message", [("False", None, "causal must be a bool"),
+                                                   (1, None, "causal must be a bool"),
+                                                   (False, "0.5", "scale must be a number or None")])
+def test_argument_types(causal, scale, message):
+    """As SDPA's: causal="False" would be true."""
+    q = tensor(1, 1, 4, 16)
+    with pytest.raises(TypeError, match=message):
+        helpers.attention(q, q, q, causal, scale)
+
+
+@pytest.mark.parametrize("layout", ["sparse", "nested"])
+def test_layouts(layout):
+    q = tensor(1, 1, 4, 16)
+    x = q.to_sparse() if layout == "sparse" else torch.nested.nested_tensor([q[0], q[0]], layout=torch.jagged)
+    with pytest.raises(NotImplementedError, match="the kernels take dense"):
+        helpers.attention(x, q, q)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool])
 def test_dtype(dtype):
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
@@ -426,12 +548,12 @@ from triton.compiler import ASTSource
 from helpers import flash_attention as attention
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 for case in sys.argv[1:]:
-    name, dtype, head_dim, causal = case.split(":")
+    name, dtype, head_dim, causal, *wide = case.split(":")
     kernel, head_dim = getattr(attention, f"attention_{name}_kernel"), int(head_dim)
     b = blocks_for("forward" if name == "delta" else name, head_dim, DTYPES[dtype])
     warps, stages = (4, 1) if name == "delta" else (b.num_warps, b.num_stages)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M if name == "delta" else b.block_m, BLOCK_N=b.block_n,
-                      CAUSAL=causal == "causal")
+                      CAUSAL=causal == "causal", WIDE=wide == ["wide"])
     signature, attrs = {}, {}
     for i, param in enumerate(kernel.params):
         if param.name.endswith("stride_d"):  # contiguous head_dim: Triton specialises a stride of 1
@@ -453,15 +575,17 @@ for case in sys.argv[1:]:
     stack = int(usage.split("STACK:")[1].split()[0])
     print(case, stack, "wgmma" in compiled.asm["ptx"], flush=True)
 """
-COMPILE_CASES = (["forward:bf16:128:causal", "dkdv:bf16:128:causal", "dq:bf16:128:causal", "delta:bf16:128:full"],
-                 ["forward:fp16:64:full", "dkdv:fp16:64:full", "dq:fp16:64:full", "forward:fp32:128:causal"])
+COMPILE_CASES = (["forward:bf16:128:causal", "dkdv:bf16:128:causal", "dq:bf16:128:causal", "delta:bf16:128:full",
+                  "forward:bf16:128:causal:wide"],
+                 ["forward:fp16:64:full", "dkdv:fp16:64:full", "dq:fp16:64:full", "forward:fp32:128:causal",
+                  "dkdv:bf16:128:causal:wide"])
 
 
 def test_kernels_compile_for_hopper():
     """Built for an H100 (sm_90) with no GPU present, as test_compile.py does for the softmax kernels: the 16-bit dots
     become wgmma (tensor cores), and the 16-bit tiles of GPU_BLOCKS compile without spilling registers (stack 0) for
-    the benchmark's shapes, whose strides and lengths Triton specialises as multiples of 16. Two processes, one per
-    core."""
+    the benchmark's shapes, whose strides and lengths Triton specialises as multiples of 16, with 32-bit indices and
+    with 64-bit ones (``:wide``). Two processes, one per core."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(SOFTMAX_INTERPRET="0")
     runs = [subprocess.Popen([sys.executable, "-c", COMPILE, *cases], env=env, stdout=subprocess.PIPE,
@@ -476,7 +600,7 @@ def test_kernels_compile_for_hopper():
         for run in runs:
             run.kill()
     compiled = {case: (int(stack), wgmma == "True") for case, stack, wgmma in map(str.split, lines)}
-    assert len(compiled) == 8, lines
+    assert len(compiled) == sum(map(len, COMPILE_CASES)), lines
     for case, (stack, wgmma) in compiled.items():
         if ":fp32:" not in case:  # fp32 runs exactly, on FMA units: checked for correctness, not tuned for speed
             assert stack == 0, f"{case} spills registers: {lines}"
