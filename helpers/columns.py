@@ -34,10 +34,11 @@ from .tiles import KEEP_IN_L2, LOG2E
 # A forward block is WIDE_COLUMNS wide, or NARROW_COLUMNS from LONG_COLUMN rows on, in any dtype: it computes in fp32,
 # so its registers go by elements. Each row of a backward block is a run of WIDE_RUN_BYTES, or NARROW_RUN_BYTES from
 # LONG_COLUMN rows on. A warp per WARP_BYTES the block holds (both inputs of the backward), 2 to 16. A program holds
-# dims up to MAX_HELD elements (forward) or MAX_HELD_BACKWARD (y and dy). A dim with fewer than MIN_COLUMNS columns
-# beside it (inner: the heads of attention pooling, xyz) takes blocks as narrow as its columns, and pieces (below) as
-# much taller, so a block holds its elements without idle lanes: a held one as many as the longest held block
-# (``held_length``). The measurements behind these numbers and the pieces below: results/README.md.
+# dims up to MAX_HELD elements (forward) or MAX_HELD_BACKWARD (y and dy). A dim whose columns beside it (inner: the
+# heads of attention pooling, xyz), rounded up to a power of two, are fewer than MIN_COLUMNS (so 8 or fewer) takes
+# blocks as narrow as its columns, and pieces (below) as much taller, so a block holds its elements without idle
+# lanes: a held one as many as the longest held block (``held_length``). The measurements behind these numbers and
+# the pieces below: results/README.md.
 WIDE_COLUMNS = 64
 NARROW_COLUMNS = 32
 WIDE_RUN_BYTES = 256
