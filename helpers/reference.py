@@ -33,6 +33,13 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.
     return (y32 * (dy32 - dot)).to(y.dtype)
 
 
+def assert_close_on_scale(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4) -> None:
+    """``torch.testing.assert_close`` with the absolute tolerance set by ``expected``'s own scale: ``rtol`` times its
+    largest magnitude. A softmax's outputs and gradients over a row of N elements are about 1/N, so over long rows
+    the default absolute tolerance (1e-5 in fp32) would pass any values of that size, the wrong ones too."""
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+
+
 def softmax_jacobian(y: torch.Tensor) -> torch.Tensor:
     """The Jacobian of softmax at one row with output ``y`` (1-D): J = diag(y) - y y^T, so J[i, j] = dy_i / dx_j."""
     if y.ndim != 1:

@@ -1,5 +1,6 @@
 """The PyTorch oracles agree with torch and with each other."""
 
+import pytest
 import torch
 from conftest import randn
 
@@ -30,3 +31,16 @@ def test_jacobian_free_backward_matches_jacobian():
     torch.testing.assert_close(reference.softmax_backward(y, dy), reference.jacobian_backward(y, dy))
     torch.testing.assert_close(reference.softmax_backward(y, dy),
                                torch._softmax_backward_data(dy, y, -1, torch.float64))
+
+
+def test_assert_close_on_scale_catches_what_the_default_tolerance_passes():
+    """Over a long row every gradient is about 1/N: a backward that drops <y, dy> passes assert_close's default
+    absolute tolerance there, and fails one set by the gradient's own scale, which the right backward passes."""
+    y = torch.softmax(randn(4, 2**18, scale=1.0), -1)
+    dy = randn(4, 2**18, scale=1.0)
+    expected = reference.softmax_backward(y.double(), dy.double()).float()
+    reference.assert_close_on_scale(reference.softmax_backward(y, dy), expected)
+    without_dot = y * dy
+    torch.testing.assert_close(without_dot, expected)
+    with pytest.raises(AssertionError):
+        reference.assert_close_on_scale(without_dot, expected)
