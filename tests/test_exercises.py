@@ -111,6 +111,24 @@ def test_scaled_softmax_scaled_before_its_kernel_fails(capsys):
                                               f"outside the kernel (mul)")
 
 
+@pytest.mark.parametrize("scale_first", [lambda x, s: torch.multiply(x, s), lambda x, s: x.divide(1 / s),
+                                         lambda x, s: torch.true_divide(x, 1 / s)],
+                         ids=["torch.multiply", "Tensor.divide", "torch.true_divide"])
+def test_scaled_softmax_scaled_by_an_alias_before_its_kernel_fails(scale_first, capsys):
+    """torch's other names for multiply and divide are arithmetic outside the kernel too."""
+    assert exercises.check_scaled_softmax(lambda x, s: solutions.scaled_softmax(scale_first(x, s), 1.0)) is False
+    assert "outside the kernel (" in capsys.readouterr().out
+
+
+def test_column_softmax_wrong_in_its_smallest_outputs_fails(capsys):
+    """Most outputs of a long column are under 1e-5: doubling just those fails the check."""
+    def doubled_where_small(x):
+        y = torch.softmax(x, dim=0)
+        return torch.where(y < 1e-5, 2 * y, y)
+    assert exercises.check_column_softmax(doubled_where_small) is False
+    assert "values differ" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mistake", sorted(SUBTLER_WRONG))
 def test_checker_fails_on_a_subtler_mistake(mistake, capsys):
     name, wrong = SUBTLER_WRONG[mistake]
