@@ -183,3 +183,28 @@ def test_widest_backward_tile_is_planned_only_where_it_does_not_spill():
     assert compiled["bf16"] == compiled["fp16"] == (1, 0), out.stdout
     segments, stack = compiled["fp32"]
     assert segments > 1 and stack > 0, out.stdout
+
+
+ONE_ROW_KERNEL = AS_LAUNCHED_ON_H100 + r"""
+from helpers import kernels
+
+for n_cols in (16384, 65536):
+    for dtype in ("fp32", "bf16"):
+        block = triton.next_power_of_2(n_cols)
+        _, registers, stack = compile_as_launched(kernels.softmax_kernel, dtype, dict(BLOCK_SIZE=block),
+                                                  kernels.num_warps_for(block))
+        print(n_cols, dtype, registers, stack)
+"""
+
+
+def test_one_row_kernel_spills_at_65536():
+    """Notebook 01's kernel, on the warps its launcher gives: a row of 16384 fits in registers; one of 65536 (128
+    values a thread on 16 warps, and 128 registers a thread at most) spills to the stack, as notebooks 01 and 05
+    say where it slows."""
+    out = compile_in_subprocess(ONE_ROW_KERNEL)
+    compiled = {(int(n), dtype): (int(registers), int(stack)) for n, dtype, registers, stack in
+                map(str.split, out.stdout.splitlines())}
+    for dtype in ("fp32", "bf16"):
+        assert compiled[16384, dtype][1] == 0, out.stdout
+        registers, stack = compiled[65536, dtype]
+        assert registers == 128 and stack > 0, out.stdout
