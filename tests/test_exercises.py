@@ -121,7 +121,7 @@ def test_scaled_softmax_scaled_by_an_alias_before_its_kernel_fails(scale_first, 
 
 
 def test_column_softmax_wrong_in_its_smallest_outputs_fails(capsys):
-    """Most outputs of a long column are under 1e-5: doubling just those fails the check."""
+    """Many outputs of a long column are under 1e-5: doubling just those fails the check."""
     def doubled_where_small(x):
         y = torch.softmax(x, dim=0)
         return torch.where(y < 1e-5, 2 * y, y)
