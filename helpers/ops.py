@@ -89,16 +89,16 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return moved.reshape(-1, moved.shape[-1])
 
 
+def _holds_rows(shape: torch.Size, dim: int) -> bool:
+    """Whether a contiguous tensor of ``shape`` holds its rows over ``dim`` back to back, as ``_rows`` lays them out:
+    ``dim`` is last or of size 1, or every dim after it is of size 1."""
+    return not shape or shape[dim] == 1 or all(size == 1 for size in shape[dim + 1:])
+
+
 def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Undo ``_rows``: the contiguous rows in ``like``'s shape, contiguous as torch.softmax returns them (for another
-    dim than the last, a copy: viewed back, they would hold that dim last in memory)."""
-    if like.ndim == 2 and dim == 1:
-        return rows
-    if like.ndim == 0:
-        return rows.reshape(())
-    if dim == like.ndim - 1:
-        return _in_torch_layout(rows.view(like.shape))
-    return _in_torch_layout(rows.view(like.movedim(dim, -1).shape).movedim(-1, dim).contiguous())
+    """Undo ``_rows`` where ``_holds_rows`` does not: the contiguous rows moved into ``like``'s shape, a new
+    contiguous tensor as torch.softmax returns (viewed back, they would hold ``dim`` last in memory)."""
+    return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim).contiguous()
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -110,14 +110,6 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _in_torch_layout(t: torch.Tensor) -> torch.Tensor:
-    """The contiguous ``t`` with the strides torch.softmax gives its output, a new contiguous tensor's. Contiguous
-    tensors of one shape differ only in the strides of dims of size 1 (and empty tensors in any), which move no
-    element: a view, never a copy."""
-    strides = _contiguous_strides(t.shape)
-    return t if t.stride() == strides else t.as_strided(t.shape, strides)
-
-
 def _new_rows(n_rows: int, n_cols: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Output storage. Tests replace this with a NaN-filled version so unwritten elements show."""
     return like.new_empty((n_rows, n_cols), dtype=dtype)
@@ -127,6 +119,20 @@ def _new_contiguous_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     """A new contiguous tensor of ``like``'s shape (torch.softmax's layout for any input) and type (a subclass's, as
     torch's). Tests replace it too."""
     return like.new_empty(like.shape, dtype=dtype)
+
+
+def _rows_output(like: torch.Tensor, dim: int, dtype: torch.dtype, launch) -> torch.Tensor:
+    """A new output of ``like``'s shape and ``dtype`` in torch.softmax's layout, a tensor of its own as torch's (not a
+    view: in-place ops such as ``detach_`` work on it), whose rows over ``dim`` ``launch(rows)`` writes: in place
+    where its memory holds them (``_holds_rows``), else into new rows that ``_unrows`` then moves there."""
+    if _holds_rows(like.shape, dim):
+        out = _new_contiguous_output(like, dtype)
+        launch(_rows(out, dim))  # a view of out: reshaping a contiguous tensor whose moved dims are of size 1
+        return out
+    n_cols = like.shape[dim]
+    rows = _new_rows(like.numel() // n_cols, n_cols, like=like, dtype=dtype)
+    launch(rows)
+    return _unrows(rows, like, dim)
 
 
 # The operators. On a GPU they are ``torch.library.triton_op``s: torch.compile sees through them to the kernel launches
@@ -149,7 +155,7 @@ def _forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     if not recipes.plain((x,)) and _runs_eager("forward", dim, x):
         return _eager_softmax_op(x, dim, dtype)  # traced, and best run by the eager launch (below)
     if columns.takes_columns(dim, x):
-        y = _in_torch_layout(_new_output(x, dtype=dtype))
+        y = _new_contiguous_output(x, dtype)
         if not recipes.plain((x,)) and columns.in_two_passes((y, x), dim):
             return _eager_softmax_op(x, dim, dtype)  # traced: opaque (below)
         columns.launch_columns_forward(x, y, dim)
@@ -159,9 +165,7 @@ def _forward(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         turned.launch_forward(x, y, dim)
         return y
     x_rows = _rows(x, dim)
-    y_rows = _new_rows(*x_rows.shape, like=x, dtype=dtype)
-    fused.launch_rows_forward(x_rows, y_rows)
-    return _unrows(y_rows, x, dim)
+    return _rows_output(x, dim, dtype, lambda y_rows: fused.launch_rows_forward(x_rows, y_rows))
 
 
 def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -171,7 +175,7 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -
     if not recipes.plain((y, dy)) and _runs_eager("backward", dim, y, dy):
         return _eager_softmax_backward_op(y, dy, dim, dtype)
     if columns.takes_columns(dim, y, dy):
-        dx = _in_torch_layout(_new_output(y, dtype=dtype))
+        dx = _new_contiguous_output(y, dtype)
         if not recipes.plain((y, dy)) and columns.in_two_passes((dx, y, dy), dim):
             return _eager_softmax_backward_op(y, dy, dim, dtype)
         columns.launch_columns_backward(y, dy, dx, dim)
@@ -181,9 +185,7 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -
         turned.launch_backward(y, dy, dx, dim)
         return dx
     y_rows, dy_rows = _rows(y, dim), _rows(dy, dim)
-    dx_rows = _new_rows(*y_rows.shape, like=y, dtype=dtype)
-    fused.launch_rows_backward(y_rows, dy_rows, dx_rows)
-    return _unrows(dx_rows, y, dim)
+    return _rows_output(y, dim, dtype, lambda dx_rows: fused.launch_rows_backward(y_rows, dy_rows, dx_rows))
 
 
 _softmax_op = _operator("softmax_course::softmax", _forward)
@@ -505,7 +507,9 @@ def _torch_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dt
     ``nested.takes_kernels`` refuses): torch's own backward, in the precision the kernels compute in, then ``dtype``."""
     wide = kernels.compute_dtype(y, dy)
     dx = torch._softmax_backward_data(dy.to(wide), y.to(wide), dim, wide).to(dtype)
-    return dx if dx.is_nested else _in_torch_layout(dx.contiguous())
+    if dx.is_nested or dx.stride() == _contiguous_strides(dx.shape):
+        return dx
+    return _new_contiguous_output(dx, dtype).copy_(dx)  # torch.softmax's layout, as the kernels' dx
 
 
 def _forward_mode_on() -> bool:
@@ -647,9 +651,8 @@ class GraphSoftmax(torch.autograd.Function):
         if x.numel() == 0:
             return torch.zeros_like(x), None
         x_rows, dy_rows = _rows(x, ctx.dim), _rows(dy, ctx.dim)
-        dx_rows = _new_rows(*x_rows.shape, like=x, dtype=x.dtype)
-        kernels.launch_graph_backward(x_rows, dy_rows, dx_rows)
-        return _unrows(dx_rows, x, ctx.dim), None
+        return _rows_output(x, ctx.dim, x.dtype,
+                            lambda dx_rows: kernels.launch_graph_backward(x_rows, dy_rows, dx_rows)), None
 
 
 def graph_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -22,6 +22,7 @@ def check_backward(y, dy, dim=-1):
     y_before, dy_before = y.clone(), dy.clone()
     dx = helpers.softmax_backward(y, dy, dim)
     assert dx.shape == y.shape and dx.dtype == y.dtype and dx.is_contiguous()  # torch's layout
+    assert dx._base is None  # a tensor of its own, as torch's (not a view)
     torch.testing.assert_close(dx.double(), torch_backward(y, dy, dim), equal_nan=True,
                                **backward_tolerance(y, dy, dim))
     assert torch.equal(y, y_before) and torch.equal(dy, dy_before)  # inputs are never written
@@ -48,7 +49,8 @@ def test_long_rows():
     check_backward(y, randn(3, n_cols, scale=1.0))
 
 
-@pytest.mark.parametrize("shape, dim", [((5, 7, 9), 0), ((5, 7, 9), 1), ((2, 3, 4, 5), -2), ((), 0)])
+@pytest.mark.parametrize("shape, dim", [((5, 7, 9), 0), ((5, 7, 9), 1), ((2, 3, 4, 5), -2), ((), 0),
+                                        ((5, 1), 0), ((3, 5, 1), 1), ((3, 1, 4), 1)])
 def test_any_rank_and_dim(shape, dim):
     y = torch.softmax(randn(*shape), dim)
     check_backward(y, randn(*shape, scale=1.0), dim)

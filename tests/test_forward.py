@@ -27,6 +27,7 @@ def check_forward(x, dim=-1):
     assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
     torch.testing.assert_close(y, expected, equal_nan=True, **TOLERANCE[x.dtype])
     assert y.is_contiguous() == expected.is_contiguous()  # torch's layout
+    assert y._base is None  # a tensor of its own, as torch's, not a view: in-place ops such as detach_ work on it
     torch.testing.assert_close(x, x_before, rtol=0, atol=0, equal_nan=True)  # the input is never written
     return y
 
@@ -57,7 +58,8 @@ def test_long_rows():
 
 
 @pytest.mark.parametrize("shape, dim", [((5, 7, 9), 0), ((5, 7, 9), 1), ((5, 7, 9), 2), ((5, 7, 9), -3),
-                                        ((2, 3, 4, 5), 2), ((11,), 0), ((), 0), ((), -1)])
+                                        ((2, 3, 4, 5), 2), ((11,), 0), ((), 0), ((), -1), ((5, 1), 0),
+                                        ((3, 5, 1), 1), ((3, 1, 4), 1)])
 def test_any_rank_and_dim(shape, dim):
     check_forward(randn(*shape), dim)
 
@@ -74,6 +76,25 @@ def test_contiguous_input_gives_torchs_layout(monkeypatch, shape, dim, dtype):
     assert y.stride() == torch.softmax(x, dim).stride() == x.stride()
     y.backward(randn(*shape, dtype=dtype))
     assert x.grad.stride() == x.stride()
+
+
+@pytest.mark.parametrize("shape, dim", [((), 0), ((5, 1), 0), ((3, 5, 1), 1), ((3, 1, 4), 1), ((2, 3, 4), 2)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_outputs_are_tensors_of_their_own(shape, dim, transposed):
+    """Where a kernel's rows are its output's memory (a dim of size 1, or only such dims after it), the output is
+    still the tensor it writes into, not a view of it, as torch's: in-place ops that refuse views work on y and dx
+    (the forward's, the backward's and the graph kernel's), in torch's strides, on a layout's first call and a
+    repeat."""
+    for _ in range(2):
+        x = randn(*reversed(shape)).permute(tuple(reversed(range(len(shape))))) if transposed else randn(*shape)
+        y, dy = torch.softmax(x, dim), randn(*shape, scale=1.0)
+        outputs = [helpers.softmax(x, dim), helpers.softmax_backward(y, dy, dim)]
+        for softmax in (helpers.softmax, helpers.graph_softmax):
+            x_in = x.clone().requires_grad_()
+            outputs += torch.autograd.grad(softmax(x_in, dim), x_in, dy)
+        for got in outputs:
+            assert got._base is None and got.stride() == y.stride()
+            got.detach_().unsqueeze_(0)  # each refuses a view
 
 
 @pytest.mark.parametrize("make_view", [
