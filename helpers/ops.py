@@ -172,6 +172,8 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype) -
     """The body of ``softmax_course::softmax_backward``: dx in ``dtype``."""
     if y.numel() == 0:
         return y.new_empty(y.shape, dtype=dtype)
+    if _rounded_on_host(dtype, y, dy):
+        return _backward(y, dy, dim, torch.float64).to(dtype)
     if not recipes.plain((y, dy)) and _runs_eager("backward", dim, y, dy):
         return _eager_softmax_backward_op(y, dy, dim, dtype)
     if columns.takes_columns(dim, y, dy):
@@ -330,17 +332,24 @@ def _forward_call(x: torch.Tensor, dim: int, dtype: torch.dtype):
     return launch, first_y
 
 
+def _rounded_on_host(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    """Whether an fp64 result is to be stored in bf16 under Triton's interpreter, which casts fp64 to bf16 as if to a
+    16-bit integer (zeros): ``_backward`` computes it in fp64 and rounds it on the host (as a GPU's store would)."""
+    return INTERPRET and dtype == torch.bfloat16 and kernels.compute_dtype(*tensors) == torch.float64
+
+
 def _backward_call(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dtype):
     """``_forward_call`` for the backward."""
     recipe, new_output = None, _new_output
-    contiguous = y.numel() and y.stride() == _contiguous_strides(y.shape) and dy.is_contiguous()
+    planned = y.numel() and not _rounded_on_host(dtype, y, dy)
+    contiguous = planned and y.stride() == _contiguous_strides(y.shape) and dy.is_contiguous()
     if contiguous and (dim == y.ndim - 1 or columns.takes_columns(dim, y, dy)):
         first_dx = _new_output(y, dtype=dtype)
         if dim == y.ndim - 1:
             recipe = recipes.recipe_for(fused.backward_recipe, (_rows(first_dx, dim), _rows(y, dim), _rows(dy, dim)))
         else:
             recipe = recipes.recipe_for(columns.backward_recipe, (first_dx, y, dy), dim)
-    elif y.numel() and turned.takes(dim, y, dy):
+    elif planned and turned.takes(dim, y, dy):
         first_dx, new_output = _new_contiguous_output(y, dtype), _new_contiguous_output
         recipe = recipes.recipe_for(turned.backward_recipe, (first_dx, y, dy), dim)
     if recipe is None:

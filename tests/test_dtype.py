@@ -158,6 +158,23 @@ def test_a_layout_remembers_each_dtype():
         assert helpers.softmax_backward(y, y, -1, torch.bfloat16).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("y_dtype, dy_dtype", [(torch.float64, torch.float64), (torch.bfloat16, torch.float64),
+                                              (torch.float64, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("shape, dim", [((5, 37), -1), ((37, 5), 0), ((4, 21, 6, 5), 1)])
+def test_backward_rounds_into_a_narrower_dtype(y_dtype, dy_dtype, dtype, shape, dim):
+    """softmax_backward of mixed dtypes, computed in fp32 or (where y or dy is fp64) fp64, then rounded once into a
+    16-bit ``dtype``, by rows, columns and turned tiles, on a layout's first call and a repeat (Triton's interpreter
+    casts fp64 to bf16 as to an integer: the ops round that case on the host)."""
+    y = torch.softmax(randn(*shape, dtype=torch.float64), dim).to(y_dtype)
+    dy = randn(*shape, dtype=torch.float64, scale=1.0).to(dy_dtype)
+    expected = torch_backward(y, dy, dim).to(dtype)
+    for _ in range(2):
+        dx = helpers.softmax_backward(y, dy, dim, dtype)
+        assert dx.dtype == dtype
+        torch.testing.assert_close(dx, expected, **backward_tolerance(y, dy, dim, dtype))
+
+
 @pytest.mark.parametrize("x_dtype", [torch.int64, torch.uint8, torch.bool])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_integers_cast_to_a_float_dtype(x_dtype, dtype):
