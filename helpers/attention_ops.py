@@ -172,6 +172,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L): the operator where a tracer must see it, else its body through ``Attention``."""
     if not _traced(q, k, v):
+        if torch.is_inference_mode_enabled() and not _forward_mode_on():
+            return _forward(q, k, v, causal, scale)  # autograd records nothing, and Attention would save O: refused
         return Attention.apply(q, k, v, causal, scale)
     if _forward_mode_on():  # the operator's autograd rule would give zero tangents
         raise NotImplementedError(FORWARD_MODE_REFUSED)
@@ -183,6 +185,8 @@ def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     """(dQ, dK, dV): the backward operator where a tracer must see it, else its body through ``AttentionBackward``."""
     if _traced(do, q, k, v, o, L):
         return _attention_backward_op(do, q, k, v, o, L, causal, scale)
+    if torch.is_inference_mode_enabled():
+        return _backward(do, q, k, v, o, L, causal, scale)  # as in _attention: autograd records nothing
     return AttentionBackward.apply(do, q, k, v, o, L, causal, scale)
 
 

@@ -407,7 +407,7 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
             x_ptr = None  # (a nested tensor)
         else:
             call = _plain_calls.get(key)
-            if call is not None and (x_ptr or not x.numel()) and not (x.requires_grad and torch.is_grad_enabled()) and (
+            if call is not None and (x_ptr or not x.numel()) and not (x.requires_grad and _grad_recorded()) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()) and (  # _forward_mode_on
                     not _dispatch_modes() and _jit_tracing() is None):  # not _watched(), inline
                 return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
@@ -425,7 +425,7 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
         return softmax(x.to(y_dtype), dim)  # a cast the kernels do not make as they load: torch's order
     if _traced(x) or (x_ptr is None and not _wrapped_by_torch_func(x)):
         return _softmax_op(x, dim, y_dtype)  # traced, or no data: a legacy vmap's batch, which runs sample by sample
-    if x_ptr is None or (x.requires_grad and torch.is_grad_enabled()) or _forward_mode_on():  # None: torch.func's
+    if x_ptr is None or (x.requires_grad and _grad_recorded()) or _forward_mode_on():  # None: torch.func's
         return Softmax.apply(x, dim, y_dtype)  # the operator's autograd, without its dispatcher; back here to run
     call, y = _forward_call(x, dim, y_dtype)
     _remember(key, call)
@@ -471,7 +471,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
         else:
             call = _plain_calls.get(key)
             if call is not None and (y_ptr and dy_ptr or not y.numel()) and not (
-                    torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) and (
+                    _grad_recorded() and (y.requires_grad or dy.requires_grad)) and (
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()) and (  # _forward_mode_on
                     not _dispatch_modes() and _jit_tracing() is None):  # not _watched()
                 return call(y, dy, y_ptr, dy_ptr)
@@ -490,7 +490,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int = -1,
     dim = _dim_index(dim, y.ndim)
     if _traced(y, dy) or (y_ptr is None and not _wrapped_by_torch_func(y, dy)):
         return _softmax_backward_op(y, dy, dim, dx_dtype)
-    if y_ptr is None or (torch.is_grad_enabled() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():
+    if y_ptr is None or (_grad_recorded() and (y.requires_grad or dy.requires_grad)) or _forward_mode_on():
         return SoftmaxBackward.apply(y, dy, dim, dx_dtype)  # y_ptr None: torch.func's wrappers, as in softmax
     call, dx = _backward_call(y, dy, dim, dx_dtype)
     _remember(key, call)
@@ -519,6 +519,12 @@ def _torch_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, dtype: torch.dt
     if dx.is_nested or dx.stride() == _contiguous_strides(dx.shape):
         return dx
     return _new_contiguous_output(dx, dtype).copy_(dx)  # torch.softmax's layout, as the kernels' dx
+
+
+def _grad_recorded() -> bool:
+    """Whether autograd records calls now: grad mode on, and inference mode off. Under ``inference_mode`` torch records
+    nothing even inside ``enable_grad``, but an autograd.Function would, and fail to save an inference tensor."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 def _forward_mode_on() -> bool:

@@ -310,6 +310,23 @@ def test_the_operators_check_their_inputs():
         BACKWARD(do[:, :, :5], q, k, v, o, L, False, None)
 
 
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.enable_grad])
+def test_inference_mode_records_nothing(grad_mode):
+    """Under ``torch.inference_mode`` (``enable_grad`` inside it too) attention and its backward return inference
+    tensors that require no grad, as F.scaled_dot_product_attention: the autograd.Functions, which would record them
+    and save O, are not called."""
+    q, k, v, do = (t.requires_grad_() for t in op_inputs())
+    with torch.inference_mode(), grad_mode():
+        o, expected = helpers.attention(q, k, v), F.scaled_dot_product_attention(q, k, v)
+        _, L = FORWARD(q.detach(), k.detach(), v.detach(), False, None)
+        grads = helpers.attention_ops._attention_backward(do, q, k, v, o, L, False, None)
+    for got in (o, expected, *grads):
+        assert (got.is_inference(), got.requires_grad, got.grad_fn) == (True, False, None)
+    oracle, oracle_grads = reference_with_grads(q.detach(), k.detach(), v.detach(), do, False)
+    for name, got, want in zip(("O", "dQ", "dK", "dV"), (o, *grads), (oracle, *oracle_grads), strict=True):
+        assert_near(got, want, torch.float32, name=name)
+
+
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the checks' shape tests, constant in the trace
 def test_L_is_not_differentiable():
     """L comes out of the operator for its backward: a loss on it would get no gradient, so it asks for none."""

@@ -69,6 +69,24 @@ def test_strided_grad_outputs(make_dy):
     check_backward(y, make_dy(y.shape))
 
 
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.enable_grad])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_inference_mode_records_nothing(grad_mode, dim):
+    """Under ``torch.inference_mode`` autograd records nothing, even inside ``enable_grad`` and for inputs that require
+    grad: softmax and softmax_backward return inference tensors without a grad_fn, as torch's (an autograd.Function
+    would record them, and fail to save its output), on a layout's first call and a repeat."""
+    x, dy = randn(7, 37).requires_grad_(), randn(7, 37, scale=1.0).requires_grad_()
+    y = torch.softmax(x.detach(), dim)
+    for _ in range(2):
+        with torch.inference_mode(), grad_mode():
+            pairs = [(helpers.softmax(x, dim), torch.softmax(x, dim)),
+                     (helpers.softmax_backward(y, dy, dim), torch._softmax_backward_data(dy, y, dim, y.dtype))]
+        for got, expected in pairs:
+            assert (got.is_inference(), got.requires_grad, got.grad_fn) == (True, False, None)
+            assert (expected.is_inference(), expected.requires_grad, expected.grad_fn) == (True, False, None)
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("softmax", AUTOGRAD_SOFTMAXES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [0, 1, -1])
