@@ -411,6 +411,10 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
                     forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled()) and (  # _forward_mode_on
                     not _dispatch_modes() and _jit_tracing() is None):  # not _watched(), inline
                 return call(x, x_ptr)  # (x_ptr 0 with elements: a torch.func.functionalize wrapper, traced)
+    if isinstance(x, torch.Tensor) and (x.dtype not in FLOAT_DTYPES if dtype is None else isinstance(
+            dtype, torch.dtype) and dtype not in FLOAT_DTYPES) and not x.is_nested and not x.numel():
+        _dim_index(dim, x.ndim)
+        return torch.softmax(x, dim, dtype)  # nothing to compute, so torch takes any dtype: its empty result
     if dtype is not None and isinstance(x, torch.Tensor) and x.dtype not in FLOAT_DTYPES:
         return softmax(x.to(_result_dtype(dtype, x.dtype)), dim)  # integers, bools: cast first, as torch's
     if isinstance(x, torch.Tensor) and x.is_nested:

@@ -16,6 +16,17 @@ def test_non_float_input(op, dtype):
         op(x)
 
 
+@pytest.mark.parametrize("dtype, result_dtype", [(torch.int64, None), (torch.bool, None), (torch.complex64, None),
+                                                 (torch.float32, torch.int32), (torch.int64, torch.uint8)])
+def test_empty_tensors_of_any_dtype(dtype, result_dtype):
+    """Nothing to compute: torch returns an empty tensor whatever the dtype, which it refuses with elements."""
+    x = torch.empty(0, 3, dtype=dtype, device=helpers.DEVICE)
+    y = helpers.softmax(x, -1, result_dtype)
+    assert y.shape == (0, 3) and y.dtype == torch.softmax(x, -1, result_dtype).dtype
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        helpers.softmax(x, 2, result_dtype)
+
+
 def test_non_tensor_input():
     with pytest.raises(TypeError, match="torch.Tensor"):
         helpers.softmax_forward([1.0, 2.0])
