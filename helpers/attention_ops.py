@@ -195,14 +195,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """softmax(Q K^T * scale) V by the Triton kernels, autograd-aware, as the operator
     ``torch.ops.softmax_course.attention`` (which also returns L): torch.compile(fullgraph=True) does not break on it.
 
-    q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); any strides; float16, bfloat16 or
-    float32, accumulated in fp32 (16-bit inputs: P is rounded to their dtype for the P V product, as in
+    q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); head_dim 16, 32, 64 or 128 (the
+    kernels' tiles; SDPA takes others), batch and heads shared (no broadcast, no grouped keys); any strides; float16,
+    bfloat16 or float32, accumulated in fp32 (16-bit inputs: P is rounded to their dtype for the P V product, as in
     FlashAttention). ``scale`` defaults to 1 / sqrt(head_dim). ``causal``: query i sees keys j <= i only. Gradients
     work under autograd and torch.func (grad, vjp, jacrev, vmap); forward mode and double backward are refused.
     """
     _check(q, k, v)  # before autograd.Function takes the arguments: its own errors would name none of them
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {type(causal)}")  # numpy 2 names its bool 'bool' too
     if not (scale is None or isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     return _attention(q, k, v, causal, None if scale is None else float(scale))[0]

@@ -85,18 +85,22 @@ def _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride
         else:
             kT, v = tl.load(kT_ptrs), tl.load(v_ptrs)
         qk = tl.dot(q, kT, input_precision="ieee")  # the scores are qk * qk_scale, in base 2
-        # Key 0 is in every row's first block and never masked: m is finite from there on, so no -inf - (-inf).
         if MASKED:  # scaled, then masked: a masked -inf times a qk_scale of 0 would be NaN
             keep = cols[None, :] < seq_k  # keys past the end, and (causal) after the query
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
             s = tl.where(keep, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.math.exp2(s - m_new[:, None])
         else:  # qk_scale >= 0 (attention_forward turns a negative one round): the max of qk, scaled, is the scores'
             m_new = tl.maximum(m, tl.max(qk, axis=1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one multiply-add a score before the exp
-        alpha = tl.math.exp2(m - m_new)  # rescales what was summed under the old max
+        # m_new is -inf while a row's scores so far all are (keys of -inf, or products past fp32's range): subtract 0
+        # then, since -inf - (-inf) is NaN; every exp2 of the row is 0 and the next finite block starts it afresh.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            p = tl.math.exp2(s - shift[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - shift[:, None])  # one multiply-add a score before the exp
+        alpha = tl.math.exp2(m - shift)  # rescales what was summed under the old max
         d = d * alpha + tl.sum(p, axis=1)
         o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision="ieee")
         m = m_new
@@ -158,11 +162,12 @@ def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, o_stride_b, o_stride_h, o_s
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s, do_stride_d,
-                 cols, lo, hi, seq_q, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                 WIDE: tl.constexpr):
+                 cols, lo, hi, seq_q, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                 MASKED: tl.constexpr, WIDE: tl.constexpr):
     """Add query blocks [lo, hi) to a key tile's dK and dV. Works on transposed tiles (S^T, P^T: keys down, queries
-    across) so the products need no transpose of P. MASKED: blocks the causal diagonal crosses. Padding queries load
-    as zeros (q = dO = 0), so their terms vanish without a mask."""
+    across) so the products need no transpose of P. MASKED: blocks the causal diagonal crosses and the ragged last
+    one, whose padding queries load as zeros (q = dO = 0) but must still be masked: a key of inf times a q of 0 is
+    NaN."""
     dims = _indices(0, HEAD_DIM, WIDE)
     for start_m in range(lo, hi, BLOCK_M):
         rows = _indices(start_m, BLOCK_M, WIDE)
@@ -174,10 +179,15 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, 
         delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
         pT = tl.math.exp2(tl.dot(k, qT, input_precision="ieee") * qk_scale - L[None, :])
         if MASKED:
-            pT = tl.where(rows[None, :] >= cols[:, None], pT, 0.0)
+            keep = rows[None, :] < seq_q  # queries past the end, and (causal) before the key
+            if CAUSAL:
+                keep = keep & (rows[None, :] >= cols[:, None])
+            pT = tl.where(keep, pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")  # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # (dO V^T)^T
         dsT = pT * (dpT - delta[None, :])
+        if MASKED:  # a query whose scores all are -inf has a delta of NaN; a mask gives its hidden keys 0, as torch's
+            dsT = tl.where(keep, dsT, 0.0)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision="ieee")  # dK += dS^T Q (times scale at the end)
     return dk, dv
 
@@ -208,11 +218,15 @@ def attention_dkdv_kernel(
         diagonal_end = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
     else:
         lo, diagonal_end = 0, 0
+    whole_end = tl.maximum((seq_q // BLOCK_M) * BLOCK_M, diagonal_end)  # query blocks before this hold no padding
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s,
                           do_stride_d, cols, lo, tl.minimum(diagonal_end, seq_q), seq_q, qk_scale, HEAD_DIM, BLOCK_M,
-                          True, WIDE)
+                          CAUSAL, True, WIDE)
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s,
-                          do_stride_d, cols, diagonal_end, seq_q, seq_q, qk_scale, HEAD_DIM, BLOCK_M, False, WIDE)
+                          do_stride_d, cols, diagonal_end, whole_end, seq_q, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, False,
+                          WIDE)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, q_stride_d, do_stride_s,
+                          do_stride_d, cols, whole_end, seq_q, seq_q, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, True, WIDE)
     out = batch * dk_stride_b + head * dk_stride_h + cols[:, None] * dk_stride_s + dims[None, :] * dk_stride_d
     tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None] < seq_k)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None] < seq_k)

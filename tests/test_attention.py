@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,6 +172,27 @@ def test_scale_not_finite(scale):
     q = tensor(1, 1, 4, 16)
     with pytest.raises(ValueError, match="scale must be a finite number"):
         helpers.attention(q, q, q, scale=scale)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_keys_of_minus_infinity(causal):
+    """Keys 0-63 score -inf (a -inf in k), the whole first key block of a row at every tile size: the running max is
+    -inf there, and the row starts afresh at the first finite score, as torch's softmax does. 40 queries: a ragged
+    last query block, whose padding (q = 0) times a key of -inf must not reach dK or dV. Causal, the first 64 rows see
+    only -inf and are NaN, as torch's: their P poisons every key's dV in torch, only the keys they see here."""
+    q, k, v, do = qkv(1, 2, 100 if causal else 40, 80, 16)
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[..., :64, 0] = float("-inf")
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    o = helpers.attention(*leaves, causal=causal)
+    exact_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = attention_reference(*exact_leaves, causal)
+    assert o[..., 64 if causal else 0:, :].isfinite().all()
+    torch.testing.assert_close(o.double(), expected.detach(), equal_nan=True, atol=1e-5, rtol=1e-5)
+    grads = zip("qkv", torch.autograd.grad(o, leaves, do.float()), torch.autograd.grad(expected, exact_leaves, do),
+                strict=True)
+    for name, grad, expected_grad in list(grads)[:2 if causal else 3]:
+        torch.testing.assert_close(grad.double(), expected_grad, equal_nan=True, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_empty():
@@ -482,6 +504,7 @@ def test_compiled_inductor_traces_the_kernels():
 # ---- what it refuses ----
 @pytest.mark.parametrize("causal, scale, message", [("False", None, "causal must be a bool"),
                                                    (1, None, "causal must be a bool"),
+                                                   (np.bool_(True), None, "causal must be a bool, got .*numpy"),
                                                    (False, "0.5", "scale must be a number or None")])
 def test_argument_types(causal, scale, message):
     """As SDPA's: causal="False" would be true."""
