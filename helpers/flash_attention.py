@@ -26,6 +26,7 @@ from .kernels import launch
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two up to one tile wide
 LOG2E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)): the kernels work in base 2 (ex2 is one GPU instruction)
+LOWEST_FP32 = tl.constexpr(-3.4028234663852886e38)  # torch.finfo(torch.float32).min
 
 
 class Blocks(NamedTuple):
@@ -91,16 +92,11 @@ def _forward_blocks(o, d, m, q, k_base, v_base, k_stride_s, k_stride_d, v_stride
                 keep = keep & (cols[None, :] <= rows[:, None])
             s = tl.where(keep, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
         else:  # qk_scale >= 0 (attention_forward turns a negative one round): the max of qk, scaled, is the scores'
             m_new = tl.maximum(m, tl.max(qk, axis=1) * qk_scale)
-        # m_new is -inf while a row's scores so far all are (keys of -inf, or products past fp32's range): subtract 0
-        # then, since -inf - (-inf) is NaN; every exp2 of the row is 0 and the next finite block starts it afresh.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if MASKED:
-            p = tl.math.exp2(s - shift[:, None])
-        else:
-            p = tl.math.exp2(qk * qk_scale - shift[:, None])  # one multiply-add a score before the exp
-        alpha = tl.math.exp2(m - shift)  # rescales what was summed under the old max
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one multiply-add a score before the exp
+        alpha = tl.math.exp2(m - m_new)  # rescales what was summed under the old max
         d = d * alpha + tl.sum(p, axis=1)
         o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision="ieee")
         m = m_new
@@ -126,7 +122,9 @@ def attention_forward_kernel(
     q_base = q_ptr + batch * q_stride_b + head * q_stride_h
     q = tl.load(q_base + rows[:, None] * q_stride_s + dims[None, :] * q_stride_d, mask=rows[:, None] < seq_q, other=0.0)
     k_base, v_base = k_ptr + batch * k_stride_b + head * k_stride_h, v_ptr + batch * v_stride_b + head * v_stride_h
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    # m starts at the lowest finite fp32, not -inf: m_new is then finite even where a row's first scores all are -inf
+    # (keys of -inf, or products past fp32's range), so p = exp2(-inf) = 0 there, where -inf - (-inf) would be NaN.
+    m = tl.full((BLOCK_M,), LOWEST_FP32, tl.float32)
     d = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     whole_end = (seq_k // BLOCK_N) * BLOCK_N  # key blocks before this hold no padding
@@ -157,6 +155,7 @@ def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, o_stride_b, o_stride_h, o_s
     do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    delta = tl.where(delta == delta, delta, 0.0)  # O is NaN where every score is -inf: its hidden keys' dS must be 0
     tl.store(delta_ptr + bh.to(tl.int64) * seq_q + rows, delta, mask=rows < seq_q)
 
 
@@ -186,8 +185,6 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, 
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")  # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # (dO V^T)^T
         dsT = pT * (dpT - delta[None, :])
-        if MASKED:  # a query whose scores all are -inf has a delta of NaN; a mask gives its hidden keys 0, as torch's
-            dsT = tl.where(keep, dsT, 0.0)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision="ieee")  # dK += dS^T Q (times scale at the end)
     return dk, dv
 

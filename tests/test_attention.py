@@ -174,20 +174,22 @@ def test_scale_not_finite(scale):
         helpers.attention(q, q, q, scale=scale)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_keys_of_minus_infinity(causal):
-    """Keys 0-63 score -inf (a -inf in k), the whole first key block of a row at every tile size: the running max is
-    -inf there, and the row starts afresh at the first finite score, as torch's softmax does. 40 queries: a ragged
-    last query block, whose padding (q = 0) times a key of -inf must not reach dK or dV. Causal, the first 64 rows see
-    only -inf and are NaN, as torch's: their P poisons every key's dV in torch, only the keys they see here."""
-    q, k, v, do = qkv(1, 2, 100 if causal else 40, 80, 16)
+@pytest.mark.parametrize("causal, seq_q", [(False, 40), (True, 100), (True, 40)],
+                         ids=["full", "causal", "causal, every row -inf"])
+def test_keys_of_minus_infinity(causal, seq_q):
+    """Keys 0-63 score -inf (a -inf in k), the whole first key block of a row at every tile size: the row starts at
+    its first finite score, as torch's softmax does. 40 queries: a ragged last query block, whose padding (q = 0)
+    times a key of -inf must not reach dK or dV. Causal, the first 64 rows see only -inf and are NaN, as torch's, and
+    the keys hidden from them still get torch's dK (with 40 queries, 0 for the keys no query sees). Their dV is left
+    out: torch's NaN P, hidden entries too, makes every key's dV NaN, here only the keys those rows see."""
+    q, k, v, do = qkv(1, 2, seq_q, 80, 16)
     q[..., 0] = q[..., 0].abs() + 0.5
     k[..., :64, 0] = float("-inf")
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
     o = helpers.attention(*leaves, causal=causal)
     exact_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = attention_reference(*exact_leaves, causal)
-    assert o[..., 64 if causal else 0:, :].isfinite().all()
+    assert o[..., 64 if causal else 0:, :].isfinite().all() and o[..., :64, :].isnan().all() == causal
     torch.testing.assert_close(o.double(), expected.detach(), equal_nan=True, atol=1e-5, rtol=1e-5)
     grads = zip("qkv", torch.autograd.grad(o, leaves, do.float()), torch.autograd.grad(expected, exact_leaves, do),
                 strict=True)
