@@ -155,7 +155,6 @@ def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, o_stride_b, o_stride_h, o_s
     do = tl.load(do_base + rows[:, None] * do_stride_s + dims[None, :] * do_stride_d, mask=rows[:, None] < seq_q,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    delta = tl.where(delta == delta, delta, 0.0)  # O is NaN where every score is -inf: its hidden keys' dS must be 0
     tl.store(delta_ptr + bh.to(tl.int64) * seq_q + rows, delta, mask=rows < seq_q)
 
 
@@ -185,6 +184,8 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, L_base, delta_base, q_stride_s, 
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")  # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # (dO V^T)^T
         dsT = pT * (dpT - delta[None, :])
+        if MASKED:  # delta is NaN where O is (a NaN in V, or no finite score): the keys a query hides get 0, as torch's
+            dsT = tl.where(keep, dsT, 0.0)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision="ieee")  # dK += dS^T Q (times scale at the end)
     return dk, dv
 

@@ -197,6 +197,24 @@ def test_keys_of_minus_infinity(causal, seq_q):
         torch.testing.assert_close(grad.double(), expected_grad, equal_nan=True, atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_nan_value(causal):
+    """A NaN in V makes O, delta, dQ and dK NaN where torch's are, and no further: the keys a causal query hides, here
+    keys 40-79 that no query sees, get torch's 0 in dK, not 0 * delta = NaN. (A delta zeroed for any NaN O, as for
+    rows of -inf scores, lost the NaN in dK of the keys those rows see.)"""
+    q, k, v, do = qkv(1, 2, 40, 80, 16)
+    v[0, 0, 3, 0] = float("nan")
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    o = helpers.attention(*leaves, causal=causal)
+    exact_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = attention_reference(*exact_leaves, causal)
+    torch.testing.assert_close(o.double(), expected.detach(), equal_nan=True, atol=1e-5, rtol=1e-5)
+    for name, grad, expected_grad in zip("qkv", torch.autograd.grad(o, leaves, do.float()),
+                                         torch.autograd.grad(expected, exact_leaves, do), strict=True):
+        assert expected_grad.isnan().any() == (name != "v")  # P has no NaN: dV = P^T dO has none either
+        torch.testing.assert_close(grad.double(), expected_grad, equal_nan=True, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_empty():
     q, k, v, _ = qkv(2, 0, 5, 5, 16)
     assert helpers.attention(q.float(), k.float(), v.float()).shape == (2, 0, 5, 16)
