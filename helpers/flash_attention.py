@@ -26,7 +26,7 @@ from .kernels import launch
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two up to one tile wide
 LOG2E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)): the kernels work in base 2 (ex2 is one GPU instruction)
-LOWEST_FP32 = tl.constexpr(-3.4028234663852886e38)  # torch.finfo(torch.float32).min
+LOWEST_FP32 = tl.constexpr(torch.finfo(torch.float32).min)  # where the forward's running max starts
 
 
 class Blocks(NamedTuple):
