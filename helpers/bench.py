@@ -282,13 +282,12 @@ def save_results(results: list, path: Path | None = None) -> Path:
     return path
 
 
-# The sweep that figures and CPU notebooks show: the GPU the course's speed targets are set on.
+# The GPU the course's speed targets are set on, whose records the notebooks' text quotes and checks.
 REFERENCE_GPU = "NVIDIA H100 80GB HBM3"
 
 
 def load_results(path: Path | None = None) -> list[Result]:
-    """Recorded results: ``path``; else, on a GPU that has its own sweep in results/ (``make bench``), that one;
-    else the reference GPU's."""
+    """Recorded results: ``path``; else the reference GPU's sweep."""
     return read_rows(path or recorded(results_path), Result)
 
 
@@ -305,13 +304,20 @@ def claimed(results: list[Result]) -> list[Result]:
     return load_results(path)
 
 
-def recorded(path_for: Callable[[str], Path], fallback: str = REFERENCE_GPU) -> Path:
-    """This GPU's recorded file when there is one, else the ``fallback`` GPU's (by default the reference GPU)."""
-    own = path_for(gpu_name()) if not INTERPRET and DEVICE.type == "cuda" else None
-    path = own if own is not None and own.exists() else path_for(fallback)
+def recorded(path_for: Callable[[str], Path], gpu: str = REFERENCE_GPU) -> Path:
+    """``gpu``'s recorded file, by default the reference GPU's: the record a notebook's text quotes and checks, on any
+    machine, also on a GPU whose own sweep ``make bench`` wrote beside it."""
+    path = path_for(gpu)
     if not path.exists():
-        raise FileNotFoundError(f"no recorded {path.name} in {RESULTS_DIR.name}/: run `make bench` on a GPU")
+        raise FileNotFoundError(f"no recorded {path.name} in {RESULTS_DIR.name}/")
     return path
+
+
+def own_recorded(path_for: Callable[[str], Path], fallback: str = REFERENCE_GPU) -> Path:
+    """This GPU's recorded file when ``make bench`` wrote one, else the ``fallback`` GPU's: what ``make images``
+    draws."""
+    own = path_for(gpu_name()) if not INTERPRET and DEVICE.type == "cuda" else None
+    return own if own is not None and own.exists() else recorded(path_for, fallback)
 
 
 def read_rows(path: Path, row_type: type) -> list:
@@ -331,7 +337,7 @@ def tuning_path(gpu: str) -> Path:
 
 
 def load_tuning(path: Path | None = None) -> list[dict]:
-    """The rows of a recorded tuning sweep: ``path``; else this GPU's when it has one, else TUNED_GPU's."""
+    """The rows of a recorded tuning sweep: ``path``; else TUNED_GPU's."""
     with (path or recorded(tuning_path, TUNED_GPU)).open() as f:
         return list(csv.DictReader(f))
 

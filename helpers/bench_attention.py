@@ -128,7 +128,7 @@ def attention_path(gpu: str) -> Path:
 
 
 def load_attention(path: Path | None = None) -> list[AttentionResult]:
-    """Recorded attention timings: this GPU's when it has them, else the reference GPU's."""
+    """Recorded attention timings: ``path``; else the reference GPU's."""
     return read_rows(path or recorded(attention_path), AttentionResult)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import matplotlib
 
+from . import bench
 from .bench import RESULTS_DIR, Result, load_results, load_tuning, select
 
 IMAGES_DIR = Path(__file__).resolve().parent.parent / "images"
@@ -241,16 +242,17 @@ def main() -> None:
     matplotlib.use("Agg")
     IMAGES_DIR.mkdir(exist_ok=True)
     figures = {"03_forward_graph.png": forward_graph_figure()}
-    results = load_results()
+    results = load_results(bench.own_recorded(bench.results_path))  # this GPU's sweep after `make bench`
     for name, (phase, impls) in BANDWIDTH_FIGURES.items():
         figures[name] = bandwidth_figure(results, phase, impls)
     figures["06_against_peers.png"] = peers_figure(results)
-    figures["06_tuning.png"] = tuning_figure(load_tuning())
+    figures["06_tuning.png"] = tuning_figure(load_tuning(bench.own_recorded(bench.tuning_path, bench.TUNED_GPU)))
     figures["06_alignment.png"] = alignment_figure(load_tuning(ALIGNMENT_TUNING))
     from . import bench_attention, figures_calls
 
     figures.update(figures_calls.images())
-    figures["10_attention.png"] = bench_attention.attention_figure(bench_attention.load_attention())
+    figures["10_attention.png"] = bench_attention.attention_figure(
+        bench_attention.load_attention(bench.own_recorded(bench_attention.attention_path)))
     for name, fig in figures.items():
         fig.savefig(IMAGES_DIR / name, dpi=110)
         print(f"wrote images/{name}")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import matplotlib
 import matplotlib.ticker
 
-from .bench import select
-from .bench_calls import DECODE_M, HOST_SHAPES, DimResult, Latency, load_latency, load_other_dims
-from .everyday import EverydayResult, load_everyday
+from . import bench_calls, everyday
+from .bench import own_recorded, select
+from .bench_calls import DECODE_M, HOST_SHAPES, DimResult, Latency
+from .everyday import EverydayResult
 from .figures import STYLE
 from .plans import TILES_PER_SM
 
@@ -217,9 +218,11 @@ def small_calls_figure(rows: list[dict], kept: str):
 
 
 def images() -> dict:
-    """Notebook 07's files in images/ and their figures."""
-    latency = load_latency()
+    """Notebook 07's files in images/ and their figures, from this GPU's records where ``make bench`` wrote them."""
+    latency = bench_calls.load_latency(own_recorded(bench_calls.latency_path))
+    other_dims = bench_calls.load_other_dims(own_recorded(bench_calls.other_dims_path))
+    calls = everyday.load_everyday(own_recorded(everyday.everyday_path))
     return {"07_latency.png": latency_figure(latency), "07_host.png": host_figure(latency),
-            "07_other_dims.png": other_dims_figure(load_other_dims()),
-            "07_everyday.png": everyday_figure(load_everyday()), "07_turned.png": turned_figure(load_turned()),
+            "07_other_dims.png": other_dims_figure(other_dims), "07_everyday.png": everyday_figure(calls),
+            "07_turned.png": turned_figure(load_turned()),
             "07_small_calls.png": small_calls_figure(load_small_calls(), f"{TILES_PER_SM} tiles an SM")}

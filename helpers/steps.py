@@ -94,7 +94,7 @@ def steps_path(gpu: str) -> Path:
 
 
 def load_steps(path: Path | None = None) -> list[bench.Result]:
-    """The recorded sweep of the steps: this GPU's if it has one, else the reference GPU's."""
+    """The recorded sweep of the steps: ``path``; else the reference GPU's."""
     return bench.read_rows(path or bench.recorded(steps_path), bench.Result)
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from helpers import DEVICE, bench, bench_attention, bench_calls, figures, figures_calls, flash_attention, fused, tune
+from helpers.everyday import everyday_path
+from helpers.steps import machine_path, steps_path
 
 matplotlib.use("Agg")
 RESULTS = bench.load_results()
@@ -82,8 +84,40 @@ def test_claims_are_checked_on_the_reference_gpus_sweep(capsys):
     assert "Timed above on NVIDIA H200" in capsys.readouterr().out
 
 
-def test_recorded_tuning_is_this_gpus_or_the_tuned_gpus():
-    assert {row["gpu"] for row in bench.load_tuning()} == {bench.TUNED_GPU}  # CPU: no GPU of its own
+def test_recorded_tuning_is_the_tuned_gpus():
+    assert {row["gpu"] for row in bench.load_tuning()} == {bench.TUNED_GPU}
+
+
+RECORDS = (bench.results_path, bench_calls.latency_path, bench_calls.other_dims_path, everyday_path,
+           bench_attention.attention_path, steps_path, machine_path)
+
+
+def test_a_gpu_with_its_own_records_reads_the_reference_gpus(monkeypatch, tmp_path):
+    """After `make bench` on a GPU other than the reference, results/ holds that GPU's records beside the reference's.
+    The notebooks' checks assert the figures their text quotes, so every loader still reads the reference GPU's;
+    only `make images` draws the GPU's own."""
+    monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench, "INTERPRET", False)
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(bench, "gpu_name", lambda: "NVIDIA A100-SXM4-80GB")
+    for path_for in RECORDS:
+        for gpu in (bench.REFERENCE_GPU, "NVIDIA A100-SXM4-80GB"):
+            path_for(gpu).write_text(gpu)
+        assert bench.recorded(path_for) == path_for(bench.REFERENCE_GPU)
+        assert bench.own_recorded(path_for) == path_for("NVIDIA A100-SXM4-80GB")
+    path_for(bench.REFERENCE_GPU).unlink()
+    with pytest.raises(FileNotFoundError, match="no recorded"):
+        bench.recorded(path_for)
+
+
+def test_an_h200_reads_the_reference_sweep(monkeypatch):
+    """results/ holds an H200 sweep of earlier kernels: on an H200, the notebooks still read the reference one."""
+    monkeypatch.setattr(bench, "INTERPRET", False)
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(bench, "gpu_name", lambda: "NVIDIA H200")
+    assert bench.results_path("NVIDIA H200").exists()
+    assert {r.gpu for r in bench.load_results()} == {bench.REFERENCE_GPU}
+    assert {r.gpu for r in bench.load_results(bench.own_recorded(bench.results_path))} == {"NVIDIA H200"}
 
 
 def test_recorded_attention_covers_every_case_and_meets_the_targets():
