@@ -105,9 +105,9 @@ def test_a_gpu_with_its_own_records_reads_the_reference_gpus(monkeypatch, tmp_pa
             path_for(gpu).write_text(gpu)
         assert bench.recorded(path_for) == path_for(bench.REFERENCE_GPU)
         assert bench.own_recorded(path_for) == path_for("NVIDIA A100-SXM4-80GB")
-    path_for(bench.REFERENCE_GPU).unlink()
+    machine_path(bench.REFERENCE_GPU).unlink()
     with pytest.raises(FileNotFoundError, match="no recorded"):
-        bench.recorded(path_for)
+        bench.recorded(machine_path)
 
 
 def test_an_h200_reads_the_reference_sweep(monkeypatch):
